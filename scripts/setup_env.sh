@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) with the pinned stack: CPU builds where there is no CUDA, CUDA builds where there is.
+# Idempotent: a stamp file records the requirement set that was installed; a second call returns in ~1 s.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then FLAVOUR=cuda; else FLAVOUR=cpu; fi
+REQ=requirements-$FLAVOUR.txt
+[ -f "$REQ" ] || REQ=requirements-cpu.txt
+STAMP=$VENV/.widedp-stamp
+WANT="$FLAVOUR $(cat requirements-cpu.txt requirements-cuda.txt pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then exit 0; fi
+echo "[setup] creating $VENV ($FLAVOUR build) — first run takes 1–3 minutes" >&2
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
+$PIP install "setuptools>=77" wheel
+$PIP install -r "$REQ"
+if [ "$FLAVOUR" = cpu ]; then
+  $PIP install --no-deps torchrec==1.8.0
+fi
+$PIP install --no-deps -e .
+echo "$WANT" > "$STAMP"
+echo "[setup] done" >&2

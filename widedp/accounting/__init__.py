@@ -1,0 +1,1 @@
+"""Privacy accounting: compose StepSpend records (RDP, PLD, the paper's Theorem 3)."""

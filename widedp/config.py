@@ -1,0 +1,516 @@
+"""YAML -> frozen dataclasses. Unknown keys, wrong types and impossible values raise ``ConfigError`` naming the key.
+
+A training config has four sections::
+
+    data:  {preset, corpus, vocab_size, window, negatives, sample_shape, splits, seed, ...}   -> DataConfig
+    model: {dim, tied, sparse, init_scale}                                                      -> ModelConfig
+    train: {epochs, batch_size, optimizer, lr, seed, ...}                                       -> TrainConfig
+    dp:    {clip1, clip2, noise_multiplier, delta, secure_rng, selection: {name: ..., ...}}     -> DPConfig | None
+
+``--set a.b.c=value`` overrides are applied to the raw mapping before validation (value parsed as YAML).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from widedp.errors import ConfigError
+
+# ----------------------------------------------------------------------------------------------------------- data
+
+#: Named preprocessing presets; explicit keys in ``data:`` override them.
+DATA_PRESETS: dict[str, dict[str, Any]] = {
+    # The paper's Sec. 6 setting: V=1000, window 4, 8 negatives, 200K/100K/200K (target, context) pairs.
+    "paper": {"corpus": "brown", "vocab_size": 1000, "window": 4, "negatives": 8, "sample_shape": "pair",
+              "splits": [200_000, 100_000, 200_000]},
+    # The whole Brown corpus with V=10,000 (splits: every sample, 60/20/20 by fraction).
+    "brown_10k": {"corpus": "brown", "vocab_size": 10_000, "window": 4, "negatives": 8, "sample_shape": "pair",
+                  "splits": [0.6, 0.2, 0.2]},
+    "custom": {},
+}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Preprocessing of a text corpus into CBOW samples.
+
+    Args:
+        preset: ``paper`` | ``brown_10k`` | ``custom``; the preset fills keys the config leaves out.
+        corpus: ``brown`` | ``text:PATH`` (a local UTF-8 file, one document or sentence per line) |
+            ``hf:NAME[:CONFIG]`` (a Hugging Face ``datasets`` text dataset; see ``hf_split`` / ``hf_column``).
+        vocab_size: V, the number of most frequent words kept (after stop-word removal).
+        window: context window; the context of a target is the ``window`` nearest in-vocabulary words on each side.
+        negatives: negative samples per sample, drawn from unigram^0.75, never equal to the target.
+        sample_shape: ``pair`` (target + one context word, the paper's) or ``bag`` (target + its whole window).
+        splits: sizes of train / valid / test: integers (samples) or fractions of all samples summing to <= 1.
+        seed: seed of the shuffle and of the negatives.
+        lowercase, alpha_only, remove_stopwords: token filters (the paper: all true).
+        max_sentences: keep only the first N sentences (0 = all) — for smoke tests.
+        cache_dir: where prepared id arrays are cached (keyed by these parameters).
+    """
+
+    preset: Literal["paper", "brown_10k", "custom"] = "paper"
+    corpus: str = "brown"
+    vocab_size: int = 1000
+    window: int = 4
+    negatives: int = 8
+    sample_shape: Literal["pair", "bag"] = "pair"
+    splits: tuple[float, ...] = (200_000, 100_000, 200_000)
+    seed: int = 0
+    lowercase: bool = True
+    alpha_only: bool = True
+    remove_stopwords: bool = True
+    max_sentences: int = 0
+    hf_split: str = "train"
+    hf_column: str = "text"
+    cache_dir: str = ".cache/widedp"
+
+    def __post_init__(self) -> None:
+        _positive("data.vocab_size", self.vocab_size)
+        _positive("data.window", self.window)
+        _nonneg("data.negatives", self.negatives)
+        _nonneg("data.max_sentences", self.max_sentences)
+        if len(self.splits) != 3:
+            raise ConfigError(f"data.splits: need 3 sizes (train, valid, test), got {list(self.splits)}")
+        if any(s < 0 for s in self.splits):
+            raise ConfigError(f"data.splits: sizes must be >= 0, got {list(self.splits)}")
+        fractions = all(isinstance(s, float) and s <= 1 for s in self.splits)
+        if fractions and sum(self.splits) > 1 + 1e-9:
+            raise ConfigError(f"data.splits: fractions sum to {sum(self.splits):.3f} > 1")
+        if self.splits[0] == 0:
+            raise ConfigError("data.splits: the train split is empty")
+        if not (self.corpus == "brown" or self.corpus.startswith(("text:", "hf:"))):
+            raise ConfigError(f"data.corpus: expected 'brown', 'text:PATH' or 'hf:NAME', got {self.corpus!r}")
+        if self.corpus.startswith("text:") and not Path(self.corpus[5:]).expanduser().is_file():
+            raise ConfigError(f"data.corpus: file not found: {self.corpus[5:]}")
+
+    def cache_key(self) -> str:
+        """Hash of every parameter that changes the prepared arrays (not where they are cached)."""
+        d = dataclasses.asdict(self)
+        d.pop("cache_dir")
+        d.pop("preset")
+        if self.corpus.startswith("text:"):
+            p = Path(self.corpus[5:]).expanduser()
+            st = p.stat()
+            d["corpus_stat"] = [str(p.resolve()), st.st_size, st.st_mtime_ns]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """CBOW with negative sampling.
+
+    Args:
+        dim: embedding size D.
+        tied: one table for context and output (the paper's V x D parameters) or two.
+        sparse: sparse gradients from the EmbeddingBag / Embedding (non-private SparseAdam needs it).
+        init_scale: input rows ~ U(-init_scale, init_scale); output rows too when tied, zeros otherwise.
+    """
+
+    kind: Literal["cbow"] = "cbow"
+    dim: int = 100
+    tied: bool = True
+    sparse: bool = True
+    init_scale: float = 0.5
+
+    def __post_init__(self) -> None:
+        _positive("model.dim", self.dim)
+        _positive("model.init_scale", self.init_scale)
+
+
+# ---------------------------------------------------------------------------------------------------------- train
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, logging and checkpoints.
+
+    Args:
+        epochs: passes over the train split (with DP: n/b Poisson steps per epoch).
+        batch_size: b; with DP the *expected* batch size of Poisson sampling and the fixed denominator.
+        optimizer: non-private: ``sgd`` | ``adam`` (dense) | ``sparse_adam``; DP: ``sgd`` | ``lazy_adam`` (updates
+            only selected rows' moments) | ``adam`` (dense moments, the paper's).
+        lr: learning rate. betas, eps: Adam's.
+        seed: seeds the model init, batches, selection and noise (unless dp.secure_rng).
+        device: ``auto`` (CUDA when available) | ``cpu`` | ``cuda`` | ``cuda:N``.
+        threads: torch intra-op threads (0 = leave torch's default).
+        log_every: steps between logged statistics. checkpoint_every: steps between checkpoints (0 = only at the
+            end and at epoch ends). eval_batch_size: batch size of validation/test loss evaluation.
+        max_steps: stop after this many steps in total (0 = no limit) — smoke runs.
+        eval_max_samples: evaluate on at most this many samples of valid/test (0 = all).
+    """
+
+    epochs: int = 20
+    batch_size: int = 20
+    optimizer: Literal["sgd", "adam", "sparse_adam", "lazy_adam"] = "adam"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    seed: int = 0
+    device: str = "auto"
+    threads: int = 1
+    log_every: int = 1000
+    checkpoint_every: int = 0
+    eval_batch_size: int = 4096
+    max_steps: int = 0
+    eval_max_samples: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("train.epochs", self.epochs)
+        _positive("train.batch_size", self.batch_size)
+        _positive("train.lr", self.lr)
+        _positive("train.log_every", self.log_every)
+        _positive("train.eval_batch_size", self.eval_batch_size)
+        _nonneg("train.checkpoint_every", self.checkpoint_every)
+        _nonneg("train.max_steps", self.max_steps)
+        _nonneg("train.threads", self.threads)
+        _nonneg("train.eval_max_samples", self.eval_max_samples)
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"train.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+
+# ------------------------------------------------------------------------------------------------------------- dp
+
+
+@dataclass(frozen=True)
+class ExponentialSelectionConfig:
+    """Exponential mechanism, k picks without replacement (Gumbel top-k over ALL rows).
+
+    Args:
+        k: rows selected per step; or ``gamma``: the fraction of all rows (k = max(1, round(gamma * R))).
+        epsilon: epsilon'' of each pick.
+        score_clip: S0; a row's score is min(||g_r||_2, S0).
+        method: ``fast`` (O(rows touched + k), order statistics for untouched rows) or ``brute`` (O(R) reference).
+    """
+
+    name: Literal["exponential"] = "exponential"
+    k: int | None = None
+    gamma: float | None = None
+    epsilon: float = 1.0
+    score_clip: float = 0.1
+    method: Literal["fast", "brute"] = "fast"
+
+    def __post_init__(self) -> None:
+        _k_or_gamma("dp.selection", self.k, self.gamma)
+        _positive("dp.selection.epsilon", self.epsilon)
+        _positive("dp.selection.score_clip", self.score_clip)
+
+
+@dataclass(frozen=True)
+class SparseVectorSelectionConfig:
+    """Sparse vector technique (AboveThreshold with cutoff c) over ALL rows in a fresh random order.
+
+    Args:
+        epsilon: budget of one segment (one above-threshold answer); threshold_fraction of it goes to the
+            threshold noise, the rest to the query noise.
+        threshold: T, in score units (scores are min(||g_r||, S0)).
+        cutoff: c, the number of rows selected at most (each selected row ends a segment; charged c segments).
+        score_clip: S0.
+        release_values: also release u_r + Lap (NumericSparse) — costs ``epsilon_release`` per selected row.
+    """
+
+    name: Literal["sparse_vector"] = "sparse_vector"
+    epsilon: float = 1.0
+    threshold: float = 0.05
+    cutoff: int = 1
+    threshold_fraction: float = 0.5
+    score_clip: float = 0.1
+    release_values: bool = False
+    epsilon_release: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("dp.selection.epsilon", self.epsilon)
+        _positive("dp.selection.cutoff", self.cutoff)
+        _positive("dp.selection.score_clip", self.score_clip)
+        if not 0 < self.threshold_fraction < 1:
+            raise ConfigError(f"dp.selection.threshold_fraction: must be in (0, 1), got {self.threshold_fraction}")
+        if self.release_values and self.epsilon_release <= 0:
+            raise ConfigError("dp.selection.epsilon_release: must be > 0 when release_values is true")
+
+
+@dataclass(frozen=True)
+class UniformSelectionConfig:
+    """k rows uniformly at random (data-independent, free). k or gamma as for exponential."""
+
+    name: Literal["uniform"] = "uniform"
+    k: int | None = None
+    gamma: float | None = None
+
+    def __post_init__(self) -> None:
+        _k_or_gamma("dp.selection", self.k, self.gamma)
+
+
+@dataclass(frozen=True)
+class RandomSparsificationConfig:
+    """Random sparsification (Zhu & Blaschko): one random row mask per epoch, data-independent (free).
+
+    The sparsification rate r(e) of epoch e (0-based, E epochs) is ``final_rate * e / (E - 1)`` with gradual
+    cooling, ``final_rate`` from the first epoch without; a fraction 1 - r(e) of all rows is kept.
+    """
+
+    name: Literal["random_sparsification"] = "random_sparsification"
+    final_rate: float = 0.9
+    gradual_cooling: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.final_rate < 1:
+            raise ConfigError(f"dp.selection.final_rate: must be in [0, 1), got {self.final_rate}")
+
+
+@dataclass(frozen=True)
+class AllRowsConfig:
+    """Every row selected: DP-SGD on the same model."""
+
+    name: Literal["all"] = "all"
+
+
+SelectionConfig = (
+    ExponentialSelectionConfig
+    | SparseVectorSelectionConfig
+    | UniformSelectionConfig
+    | RandomSparsificationConfig
+    | AllRowsConfig
+)
+SELECTIONS: dict[str, type] = {
+    "exponential": ExponentialSelectionConfig,
+    "sparse_vector": SparseVectorSelectionConfig,
+    "uniform": UniformSelectionConfig,
+    "random_sparsification": RandomSparsificationConfig,
+    "all": AllRowsConfig,
+}
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    """The DP step (paper Alg. 3) and its accounting.
+
+    Args:
+        clip1: S1, per-sample L2 clip.
+        clip2: S2, L2 clip of the selected gradient (null = no second clip).
+        noise_multiplier: sigma, relative to the sensitivity min(S1/b, 2*S2) of the selected gradient.
+        delta: the delta of the reported (epsilon, delta).
+        secure_rng: draw selection and noise from a generator seeded by the OS CSPRNG (runs not reproducible).
+        accountant: ``pld`` (headline) | ``rdp`` | ``paper`` (the paper's Theorem 3; not a valid bound).
+        target_epsilon: stop training before the spent epsilon would exceed it (and calibrate, see ``calibrate``).
+        calibrate: with target_epsilon: ``none`` | ``noise_multiplier`` (solve sigma) | ``selection_epsilon``.
+        selection: the row-selection mechanism, ``{name: exponential | sparse_vector | uniform |
+            random_sparsification | all, ...}``.
+    """
+
+    clip1: float = 15.0
+    clip2: float | None = 1.0
+    noise_multiplier: float = 0.5
+    delta: float = 1e-5
+    secure_rng: bool = False
+    accountant: Literal["pld", "rdp", "paper"] = "pld"
+    target_epsilon: float | None = None
+    calibrate: Literal["none", "noise_multiplier", "selection_epsilon"] = "none"
+    selection: SelectionConfig = field(default_factory=ExponentialSelectionConfig)
+
+    def __post_init__(self) -> None:
+        _positive("dp.clip1", self.clip1)
+        if self.clip2 is not None:
+            _positive("dp.clip2", self.clip2)
+        _positive("dp.noise_multiplier", self.noise_multiplier)
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"dp.delta: must be in (0, 1), got {self.delta}")
+        if self.target_epsilon is not None:
+            _positive("dp.target_epsilon", self.target_epsilon)
+        if self.calibrate != "none" and self.target_epsilon is None:
+            raise ConfigError("dp.calibrate: needs dp.target_epsilon")
+        if self.calibrate == "selection_epsilon" and not isinstance(
+            self.selection, (ExponentialSelectionConfig, SparseVectorSelectionConfig)
+        ):
+            raise ConfigError(
+                f"dp.calibrate: selection_epsilon needs a data-dependent selection, not {self.selection.name!r}"
+            )
+
+
+# --------------------------------------------------------------------------------------------------------- top
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dp: DPConfig | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config, apply ``key.path=value`` overrides, and validate it."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise ConfigError(f"{path}: invalid YAML{where}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at top level")
+    for ov in overrides:
+        apply_override(raw, ov)
+    return config_from_dict(raw)
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Apply ``a.b.c=value`` (value parsed as YAML) to a raw config mapping in place."""
+    if "=" not in override:
+        raise ConfigError(f"--set {override!r}: expected KEY=VALUE")
+    key, value = override.split("=", 1)
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {part} is not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {key}: cannot parse value {value!r}") from None
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    _no_unknown("", raw, {"data", "model", "train", "dp"})
+    data_raw = dict(raw.get("data") or {})
+    _expect_mapping("data", data_raw)
+    preset = data_raw.get("preset", "paper")
+    if preset not in DATA_PRESETS:
+        raise ConfigError(f"data.preset: unknown preset {preset!r} (expected one of {', '.join(DATA_PRESETS)})")
+    data_raw = {**DATA_PRESETS[preset], **data_raw}
+    dp_raw = raw.get("dp")
+    dp = None
+    if dp_raw is not None:
+        _expect_mapping("dp", dp_raw)
+        dp_raw = dict(dp_raw)
+        sel_raw = dp_raw.pop("selection", {"name": "exponential"})
+        _expect_mapping("dp.selection", sel_raw)
+        name = sel_raw.get("name")
+        if name not in SELECTIONS:
+            raise ConfigError(f"dp.selection.name: expected one of {', '.join(SELECTIONS)}, got {name!r}")
+        selection = build("dp.selection", SELECTIONS[name], sel_raw)
+        dp = build("dp", DPConfig, dp_raw, selection=selection)
+    return Config(
+        data=build("data", DataConfig, data_raw),
+        model=build("model", ModelConfig, raw.get("model") or {}),
+        train=build("train", TrainConfig, raw.get("train") or {}),
+        dp=dp,
+    )
+
+
+def build(section: str, cls: type, raw: Any, **extra: Any) -> Any:
+    """Construct dataclass ``cls`` from a mapping, checking keys and types (ints accepted for floats)."""
+    _expect_mapping(section, raw)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    _no_unknown(section, raw, names - set(extra))
+    kwargs: dict[str, Any] = {}
+    for k, v in raw.items():
+        kwargs[k] = _coerce(f"{section}.{k}" if section else k, v, hints[k])
+    kwargs.update(extra)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - missing required fields
+        raise ConfigError(f"{section}: {e}") from None
+
+
+def _coerce(key: str, v: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if v is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, v, a)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {v!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if v not in allowed:
+            raise ConfigError(f"{key}: expected one of {', '.join(map(str, allowed))}, got {v!r}")
+        return v
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(v, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {v!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(key, x, args[0]) for x in v)
+        if len(v) != len(args):
+            raise ConfigError(f"{key}: expected {len(args)} values, got {len(v)}")
+        return tuple(_coerce(key, x, a) for x, a in zip(v, args))
+    if tp is bool:
+        if not isinstance(v, bool):
+            raise ConfigError(f"{key}: expected true/false, got {v!r}")
+        return v
+    if tp is int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, float) and v.is_integer():
+                return int(v)
+            raise ConfigError(f"{key}: expected an integer, got {v!r}")
+        return v
+    if tp is float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {v!r}")
+        # keep ints as ints where that carries meaning (split sizes); floats otherwise
+        return v
+    if tp is str:
+        if not isinstance(v, str):
+            raise ConfigError(f"{key}: expected a string, got {v!r}")
+        return v
+    raise ConfigError(f"{key}: unsupported value {v!r}")  # pragma: no cover
+
+
+def _no_unknown(section: str, raw: dict[str, Any], allowed: set[str]) -> None:
+    for k in raw:
+        if k not in allowed:
+            where = f"{section}.{k}" if section else str(k)
+            raise ConfigError(f"{where}: unknown key (expected one of {', '.join(sorted(allowed))})")
+
+
+def _expect_mapping(section: str, raw: Any) -> None:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section}: expected a mapping, got {raw!r}")
+
+
+def _positive(key: str, v: float) -> None:
+    if not v > 0:
+        raise ConfigError(f"{key}: must be > 0, got {v}")
+
+
+def _nonneg(key: str, v: float) -> None:
+    if v < 0:
+        raise ConfigError(f"{key}: must be >= 0, got {v}")
+
+
+def _k_or_gamma(section: str, k: int | None, gamma: float | None) -> None:
+    if (k is None) == (gamma is None):
+        raise ConfigError(f"{section}: give exactly one of k or gamma")
+    if k is not None and k <= 0:
+        raise ConfigError(f"{section}.k: must be > 0, got {k}")
+    if gamma is not None and not 0 < gamma <= 1:
+        raise ConfigError(f"{section}.gamma: must be in (0, 1], got {gamma}")

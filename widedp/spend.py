@@ -1,0 +1,55 @@
+"""What each mechanism spent: small frozen records, composed by the accountant (widedp.accounting).
+
+One DP step emits a ``StepSpend``: the mechanisms that looked at the same Poisson batch (sampling rate q), to be
+composed *jointly* inside the step and amplified by sampling once (privacy.md §3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GaussianSpend:
+    """Gaussian noise with std ``noise_multiplier * sensitivity`` on an L2-sensitivity-``sensitivity`` query."""
+
+    noise_multiplier: float
+    sensitivity: float = 1.0
+
+
+@dataclass(frozen=True)
+class ExponentialSpend:
+    """``picks`` exponential-mechanism picks (Gumbel top-k), each ``epsilon``-DP; bounded-range (Cesar & Rogers)."""
+
+    epsilon: float
+    picks: int
+    bounded_range: bool = True
+
+
+@dataclass(frozen=True)
+class SparseVectorSpend:
+    """Sparse vector with cutoff c: ``cutoff`` segments each ``epsilon``-DP (pure), charged whether or not the
+    segment ended in an above-threshold answer; plus ``cutoff`` Laplace releases of ``epsilon_release`` each when
+    the noisy values are released (0 when they are not)."""
+
+    epsilon: float
+    cutoff: int
+    epsilon_release: float = 0.0
+
+
+@dataclass(frozen=True)
+class FreeSpend:
+    """A data-independent mechanism (uniform, random sparsification, all rows): costs nothing."""
+
+    name: str
+
+
+Spend = GaussianSpend | ExponentialSpend | SparseVectorSpend | FreeSpend
+
+
+@dataclass(frozen=True)
+class StepSpend:
+    """Everything one step spent on one Poisson(q) batch; ``parts`` are composed jointly before amplification."""
+
+    sampling_rate: float
+    parts: tuple[Spend, ...]
