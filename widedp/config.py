@@ -349,7 +349,8 @@ class Config:
     dp: DPConfig | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain JSON/YAML-able mapping (tuples as lists) that ``config_from_dict`` reads back."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]

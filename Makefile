@@ -1,0 +1,23 @@
+# The two commands a new user runs (see README.md). Both create .venv with pinned dependencies on first use.
+SHELL := /bin/bash
+VENV := .venv
+CONFIG ?= configs/brown_cbow_sparse_exp.yaml
+# Use the project's bundled NLTK data when it sits beside the checkout (CI); otherwise nltk downloads it.
+ifneq ($(wildcard ../shared/nltk_data),)
+export NLTK_DATA ?= $(abspath ../shared/nltk_data)
+endif
+export HF_DATASETS_OFFLINE ?= 1
+
+.PHONY: setup train test lint clean
+setup:
+	@bash scripts/setup_env.sh
+
+train: setup
+	$(VENV)/bin/widedp train $(CONFIG)
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest
+
+clean:
+	rm -rf runs .cache .pytest_cache .ruff_cache

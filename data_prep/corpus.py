@@ -1,0 +1,276 @@
+"""Read a corpus (Brown via NLTK, a local text file, a Hugging Face dataset), filter its tokens, pick a vocabulary.
+
+The filtered corpus is kept as integer ids into an alphabetically sorted word list, sentence by sentence, and cached
+on disk (``<cache_dir>/corpus-<key>.npz``) so that Brown (7–12 s through NLTK) is read once per filter setting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from widedp.config import DataConfig
+from widedp.errors import ConfigError
+
+#: Tokeniser of ``text:`` and ``hf:`` corpora: runs of word characters, or single punctuation marks.
+TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+
+_NLTK_HINT = "run `python -m nltk.downloader brown stopwords` or point NLTK_DATA at a folder that holds them"
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A filtered corpus.
+
+    Attributes:
+        words: [W] str, the distinct words left after filtering, sorted alphabetically (an id = an index here).
+        ids: [T] int64, the filtered tokens of all sentences, concatenated.
+        offsets: [S+1] int64, sentence s is ``ids[offsets[s]:offsets[s+1]]`` (sentences left empty are kept, so that
+            ``max_sentences`` counts the sentences of the source).
+    """
+
+    words: np.ndarray
+    ids: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def num_sentences(self) -> int:
+        return len(self.offsets) - 1
+
+    def head(self, n: int) -> Corpus:
+        """The first ``n`` sentences (all when ``n`` is 0 or too large); words stay as they are."""
+        if n <= 0 or n >= self.num_sentences:
+            return self
+        return Corpus(self.words, self.ids[: self.offsets[n]], self.offsets[: n + 1])
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """The ``V`` most frequent words of a corpus (ties broken alphabetically).
+
+    Attributes:
+        words: the V words, most frequent first. counts: [V] int64, their corpus counts.
+        remap: [W] int64, corpus word id -> vocabulary id, or -1 for a word outside the vocabulary.
+    """
+
+    words: list[str]
+    counts: np.ndarray
+    remap: np.ndarray
+
+
+# ------------------------------------------------------------------------------------------------------ reading
+
+
+def read_sentences(cfg: DataConfig) -> Iterable[Sequence[str]]:
+    """The raw token lists of ``cfg.corpus``, unfiltered (Brown: NLTK's sentences; text/hf: one per line/row).
+
+    Reads only the first ``cfg.max_sentences`` for ``text:``/``hf:`` corpora (Brown is always read whole so that its
+    cache serves every ``max_sentences``).
+    """
+    if cfg.corpus == "brown":
+        return _brown_sentences()
+    limit = cfg.max_sentences or None
+    if cfg.corpus.startswith("text:"):
+        return _text_sentences(cfg.corpus[5:], limit)
+    return _hf_sentences(cfg, limit)
+
+
+def _brown_sentences() -> list[list[str]]:
+    brown = _nltk_corpus("brown")
+    return [list(s) for s in brown.sents()]
+
+
+def stopword_set() -> frozenset[str]:
+    """NLTK's English stop words (179 words in NLTK 3.9+)."""
+    return frozenset(_nltk_corpus("stopwords").words("english"))
+
+
+def _nltk_corpus(name: str):  # noqa: ANN202 - an NLTK LazyCorpusLoader
+    """``nltk.corpus.<name>``, downloading it quietly when missing; ConfigError when that fails too."""
+    import nltk
+
+    # NLTK reads NLTK_DATA once, at import; honour a value set later (tests, notebooks).
+    for p in reversed(os.environ.get("NLTK_DATA", "").split(os.pathsep)):
+        if p and p not in nltk.data.path:
+            nltk.data.path.insert(0, p)
+    corpus = getattr(nltk.corpus, name)
+    try:
+        corpus.fileids()  # any attribute access loads it
+        return corpus
+    except LookupError:
+        pass
+    try:
+        ok = nltk.download(name, quiet=True, raise_on_error=True)
+    except Exception:  # offline: URLError, ValueError, ...
+        ok = False
+    try:
+        if not ok:
+            raise LookupError(name)
+        corpus = getattr(nltk.corpus, name)
+        corpus.fileids()  # any attribute access loads it
+        return corpus
+    except LookupError:
+        raise ConfigError(f"data.corpus: NLTK resource {name!r} not found and could not be downloaded; "
+                          f"{_NLTK_HINT}") from None
+
+
+def _text_sentences(path: str, limit: int | None) -> list[list[str]]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"data.corpus: file not found: {path}")
+    out: list[list[str]] = []
+    try:
+        with p.open(encoding="utf-8") as f:
+            for line in f:
+                if limit is not None and len(out) >= limit:
+                    break
+                out.append(TOKEN_RE.findall(line))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data.corpus: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return out
+
+
+def _hf_sentences(cfg: DataConfig, limit: int | None) -> list[list[str]]:
+    name, _, config = cfg.corpus[3:].partition(":")
+    if not name:
+        raise ConfigError(f"data.corpus: expected hf:NAME[:CONFIG], got {cfg.corpus!r}")
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, config or None, split=cfg.hf_split)
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"data.corpus: cannot load Hugging Face dataset {cfg.corpus[3:]!r} "
+                          f"(split {cfg.hf_split!r}): {msg}") from None
+    if cfg.hf_column not in ds.column_names:
+        raise ConfigError(f"data.hf_column: dataset {cfg.corpus[3:]!r} has no column {cfg.hf_column!r} "
+                          f"(columns: {', '.join(ds.column_names)})")
+    if limit is not None and limit < len(ds):
+        ds = ds.select(range(limit))
+    # datasets 5.x: ds[col] is a lazy Column; iterate it.
+    return [TOKEN_RE.findall(t) if isinstance(t, str) else [] for t in ds[cfg.hf_column]]
+
+
+# ---------------------------------------------------------------------------------------------------- filtering
+
+
+def filter_sentences(
+    sentences: Iterable[Sequence[str]], *, lowercase: bool, alpha_only: bool, stopwords: frozenset[str] = frozenset()
+) -> Corpus:
+    """Apply the token filters, in this order: lowercase, alphabetic only, stop-word removal.
+
+    Stop words are matched case-insensitively (``The`` is removed also when ``lowercase`` is false).
+    """
+    flat: list[str] = []
+    lengths: list[int] = []
+    for sent in sentences:
+        n0 = len(flat)
+        for w in sent:
+            if lowercase:
+                w = w.lower()
+            if alpha_only and not w.isalpha():
+                continue
+            if stopwords and w.lower() in stopwords:
+                continue
+            flat.append(w)
+        lengths.append(len(flat) - n0)
+    words = sorted(set(flat))
+    index = {w: i for i, w in enumerate(words)}
+    ids = np.fromiter((index[w] for w in flat), dtype=np.int64, count=len(flat))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return Corpus(np.array(words, dtype=str), ids, offsets)
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """The filtered corpus of ``cfg`` (first ``max_sentences`` sentences), from the cache when there."""
+    path = _corpus_cache_path(cfg)
+    corpus = _load_cached(path) if path is not None else None
+    if corpus is None:
+        stop = stopword_set() if cfg.remove_stopwords else frozenset()
+        corpus = filter_sentences(read_sentences(cfg), lowercase=cfg.lowercase, alpha_only=cfg.alpha_only,
+                                  stopwords=stop)
+        if path is not None:
+            _save_cached(path, corpus)
+    return corpus.head(cfg.max_sentences)
+
+
+def select_vocab(corpus: Corpus, vocab_size: int, *, source: str = "") -> Vocab:
+    """The ``vocab_size`` most frequent words, ties broken alphabetically; ConfigError when too few words."""
+    counts = np.bincount(corpus.ids, minlength=len(corpus.words))
+    distinct = int(np.count_nonzero(counts))
+    if distinct == 0:
+        raise ConfigError(f"data.corpus: no tokens left after filtering in {source or 'the corpus'}")
+    if vocab_size > distinct:
+        raise ConfigError(f"data.vocab_size: {vocab_size} is more than the {distinct} distinct words left after "
+                          f"filtering {source or 'the corpus'}")
+    order = np.argsort(-counts, kind="stable")[:vocab_size]  # stable: equal counts stay alphabetical
+    remap = np.full(len(corpus.words), -1, dtype=np.int64)
+    remap[order] = np.arange(vocab_size)
+    return Vocab([str(w) for w in corpus.words[order]], counts[order].astype(np.int64), remap)
+
+
+# -------------------------------------------------------------------------------------------------------- cache
+
+
+def cache_root(cfg: DataConfig) -> Path | None:
+    """``cfg.cache_dir`` (relative to the working directory), or None when caching is off (empty string)."""
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
+
+
+def _corpus_cache_path(cfg: DataConfig) -> Path | None:
+    root = cache_root(cfg)
+    if root is None:
+        return None
+    key: dict[str, object] = {"corpus": cfg.corpus, "lowercase": cfg.lowercase, "alpha_only": cfg.alpha_only,
+                              "remove_stopwords": cfg.remove_stopwords, "token_re": TOKEN_RE.pattern, "v": 1}
+    if cfg.corpus != "brown":  # only these read a prefix of the source
+        key["max_sentences"] = cfg.max_sentences
+    if cfg.corpus.startswith("text:"):
+        p = Path(cfg.corpus[5:]).expanduser()
+        if p.is_file():
+            st = p.stat()
+            key["stat"] = [str(p.resolve()), st.st_size, st.st_mtime_ns]
+    if cfg.corpus.startswith("hf:"):
+        key["hf"] = [cfg.hf_split, cfg.hf_column]
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return root / f"corpus-{digest}.npz"
+
+
+def _load_cached(path: Path) -> Corpus | None:
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return Corpus(z["words"], z["ids"].astype(np.int64), z["offsets"].astype(np.int64))
+    except (OSError, ValueError, KeyError):  # a damaged cache file is rebuilt
+        return None
+
+
+def _save_cached(path: Path, corpus: Corpus) -> None:
+    atomic_savez(path, words=corpus.words, ids=corpus.ids.astype(np.int32), offsets=corpus.offsets)
+
+
+def atomic_savez(path: Path, **arrays: np.ndarray) -> None:
+    """``np.savez`` to a temporary file beside ``path``, then ``os.replace`` (readers never see a partial file)."""
+    write_atomic(path, lambda f: np.savez(f, **arrays))
+
+
+def write_atomic(path: Path, write) -> None:  # noqa: ANN001 - write(binary file object)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

@@ -1,0 +1,108 @@
+"""Vectorised CBOW sample construction over an in-vocabulary token stream: windows, negatives, canary insertion.
+
+A *stream* is ``tokens [N]`` (vocabulary ids) with ``sent [N]`` (the sentence of each token, non-decreasing);
+windows never cross a sentence boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from widedp.errors import ConfigError
+
+
+def window_pairs(sent: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every ordered (target, context) position pair at distance 1..``window`` within one sentence.
+
+    Returns ``t [n]``, ``c [n]`` (int64 positions), sorted by target then context position.
+    """
+    n = len(sent)
+    ts: list[np.ndarray] = [np.zeros(0, np.int64)]
+    cs: list[np.ndarray] = [np.zeros(0, np.int64)]
+    for d in range(1, min(window, n - 1) + 1):
+        i = np.flatnonzero(sent[:-d] == sent[d:])
+        ts += [i, i + d]
+        cs += [i + d, i]
+    t, c = np.concatenate(ts), np.concatenate(cs)
+    order = np.lexsort((c, t))
+    return t[order], c[order]
+
+
+def window_bags(sent: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each position with its whole window (up to ``window`` words each side, same sentence).
+
+    Returns ``t [n]`` and ``c [n, 2*window]`` (int64 positions; left context then right context, in order, padded at
+    the end with -1). Positions with an empty window (one-word sentences) are left out.
+    """
+    n = len(sent)
+    offs = np.concatenate([np.arange(-window, 0), np.arange(1, window + 1)])
+    pos = np.arange(n)[:, None] + offs[None, :]
+    valid = (pos >= 0) & (pos < n)
+    valid &= sent[np.clip(pos, 0, max(n - 1, 0))] == sent[:, None]
+    order = np.argsort(~valid, axis=1, kind="stable")  # valid entries first, order kept
+    pos = np.take_along_axis(np.where(valid, pos, -1), order, axis=1)
+    keep = valid.any(axis=1)
+    return np.flatnonzero(keep), pos[keep]
+
+
+def draw_negatives(target: np.ndarray, counts: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """``[n, k]`` ids drawn i.i.d. from unigram^0.75 over the vocabulary, each redrawn while equal to its target.
+
+    So a row's negatives follow ``p(w) / (1 - p(target))`` for ``w != target``, with ``p ∝ counts**0.75``.
+    """
+    n = len(target)
+    if k == 0 or n == 0:
+        return np.zeros((n, k), dtype=np.int64)
+    if len(counts) < 2:
+        raise ConfigError("data.negatives: a vocabulary of one word leaves no negative different from the target")
+    cdf = np.cumsum(counts.astype(np.float64) ** 0.75)
+    neg = np.searchsorted(cdf, rng.random((n, k)) * cdf[-1], side="right")
+    bad = neg == target[:, None]
+    while bad.any():
+        neg[bad] = np.searchsorted(cdf, rng.random(int(bad.sum())) * cdf[-1], side="right")
+        bad = neg == target[:, None]
+    return neg.astype(np.int64)
+
+
+def insert_phrases(
+    tokens: np.ndarray,
+    sent: np.ndarray,
+    phrases: Sequence[np.ndarray],
+    repeats: int,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Insert each phrase (vocabulary ids) ``repeats`` times at uniformly random positions of the stream.
+
+    Insertion ``(j, p)`` puts phrase j before stream token p (p uniform in 0..N; p = N appends), inside the
+    sentence of that token (the last sentence for p = N); insertions at the same p keep their draw order.
+
+    Returns ``tokens [N']``, ``sent [N']``, ``is_canary [N']`` (bool: an inserted token) and ``inserted [m, 2]``
+    (int64 rows ``(phrase index, p)`` sorted by p, m = len(phrases) * repeats).
+    """
+    n = len(tokens)
+    m = len(phrases) * repeats
+    lens = np.array([len(p) for p in phrases], dtype=np.int64)
+    phrase_ix = np.repeat(np.arange(len(phrases)), repeats)
+    pos = rng.integers(0, n + 1, size=m)
+    order = np.lexsort((np.arange(m), pos))
+    phrase_ix, pos = phrase_ix[order], pos[order]
+    ins_len = lens[phrase_ix]
+    cum = np.concatenate([[0], np.cumsum(ins_len)])
+    total = n + int(cum[-1])
+
+    new_tokens = np.empty(total, dtype=np.int64)
+    new_sent = np.empty(total, dtype=np.int64)
+    is_canary = np.zeros(total, dtype=bool)
+    # clean token i moves right by the length of every insertion placed before it (p <= i)
+    clean_at = np.arange(n) + cum[np.searchsorted(pos, np.arange(n), side="right")]
+    new_tokens[clean_at] = tokens
+    new_sent[clean_at] = sent
+    start = pos + cum[:-1]
+    ins_at = np.repeat(start, ins_len) + (np.arange(cum[-1]) - np.repeat(cum[:-1], ins_len))
+    flat = np.concatenate([np.asarray(phrases[j], dtype=np.int64) for j in phrase_ix]) if m else np.zeros(0, int)
+    new_tokens[ins_at] = flat
+    new_sent[ins_at] = np.repeat(sent[np.minimum(pos, n - 1)], ins_len)
+    is_canary[ins_at] = True
+    return new_tokens, new_sent, is_canary, np.stack([phrase_ix, pos], axis=1).astype(np.int64)

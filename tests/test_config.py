@@ -1,0 +1,82 @@
+import pytest
+
+from widedp.config import (
+    Config,
+    ExponentialSelectionConfig,
+    UniformSelectionConfig,
+    config_from_dict,
+    load_config,
+)
+from widedp.errors import ConfigError
+
+
+def test_defaults_and_preset():
+    cfg = config_from_dict({})
+    assert cfg.data.vocab_size == 1000 and cfg.data.splits == (200_000, 100_000, 200_000)
+    assert cfg.dp is None
+    cfg = config_from_dict({"data": {"preset": "brown_10k"}})
+    assert cfg.data.vocab_size == 10_000
+
+
+def test_selection_is_one_key():
+    cfg = config_from_dict({"dp": {"selection": {"name": "uniform", "k": 5}}})
+    assert isinstance(cfg.dp.selection, UniformSelectionConfig)
+    cfg = config_from_dict({"dp": {"selection": {"name": "exponential", "k": 5, "epsilon": 0.3}}})
+    assert isinstance(cfg.dp.selection, ExponentialSelectionConfig) and cfg.dp.selection.epsilon == 0.3
+
+
+def test_round_trip_and_hash():
+    cfg = config_from_dict({"dp": {"selection": {"name": "exponential", "gamma": 0.01}}, "train": {"epochs": 2}})
+    again = config_from_dict(cfg.to_dict())
+    assert again == cfg and again.hash() == cfg.hash()
+    assert Config().hash() != cfg.hash()
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        ({"trian": {}}, "trian: unknown key"),
+        ({"train": {"epocs": 3}}, "train.epocs: unknown key"),
+        ({"train": {"epochs": "three"}}, "train.epochs: expected an integer"),
+        ({"train": {"epochs": -1}}, "train.epochs: must be > 0"),
+        ({"train": {"lr": True}}, "train.lr: expected a number"),
+        ({"model": {"dim": 0}}, "model.dim: must be > 0"),
+        ({"model": {"tied": "yes"}}, "model.tied: expected true/false"),
+        ({"data": {"vocab_size": -5}}, "data.vocab_size: must be > 0"),
+        ({"data": {"negatives": -1}}, "data.negatives: must be >= 0"),
+        ({"data": {"splits": [1, 2]}}, "data.splits: need 3"),
+        ({"data": {"splits": [-1, 2, 3]}}, "data.splits: sizes must be >= 0"),
+        ({"data": {"preset": "nope"}}, "data.preset: unknown preset"),
+        ({"data": {"sample_shape": "tree"}}, "data.sample_shape: expected one of"),
+        ({"data": {"corpus": "text:/no/such/file.txt"}}, "file not found: /no/such/file.txt"),
+        ({"dp": {"selection": {"name": "magic"}}}, "dp.selection.name"),
+        ({"dp": {"selection": {"name": "exponential"}}}, "exactly one of k or gamma"),
+        ({"dp": {"selection": {"name": "uniform", "k": 3, "gamma": 0.1}}}, "exactly one of k or gamma"),
+        ({"dp": {"selection": {"name": "exponential", "k": 1, "bogus": 1}}}, "dp.selection.bogus: unknown key"),
+        ({"dp": {"clip1": 0, "selection": {"name": "all"}}}, "dp.clip1: must be > 0"),
+        ({"dp": {"delta": 2, "selection": {"name": "all"}}}, "dp.delta"),
+        ({"dp": {"calibrate": "noise_multiplier", "selection": {"name": "all"}}}, "needs dp.target_epsilon"),
+        ({"dp": {"target_epsilon": 3, "calibrate": "selection_epsilon", "selection": {"name": "all"}}},
+         "data-dependent selection"),
+    ],
+)
+def test_errors_name_the_key(raw, needle):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_load_config_files_and_overrides(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
+    good = tmp_path / "good.yaml"
+    good.write_text("train:\n  epochs: 2\n")
+    cfg = load_config(good, ["train.epochs=5", "dp.selection.name=all", "dp.noise_multiplier=0.7"])
+    assert cfg.train.epochs == 5 and cfg.dp.noise_multiplier == 0.7 and cfg.dp.selection.name == "all"
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(good, ["train.epochs"])

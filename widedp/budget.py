@@ -1,0 +1,153 @@
+"""Glue between a training config and the accountant: the per-step spend, calibration, the budget stop, and the
+spent-budget journal that survives crashes.
+
+The journal (``RUN/spent.json``) is written atomically *before* anything derived from the steps it covers leaves
+the process (logs, checkpoints). On resume:
+- seeded runs replay the lost steps bit-for-bit (same batches, same selection, same noise), which releases nothing
+  new, so the ledger continues from the checkpoint and ends equal to an uninterrupted run's;
+- ``secure_rng`` runs cannot replay, so every step the journal recorded stays spent: the steps between the
+  checkpoint and the journal's high-water mark are kept as an extra entry of the ledger.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from widedp import accounting
+from widedp.checkpoint import read_json, write_json
+from widedp.config import (
+    AllRowsConfig,
+    Config,
+    DPConfig,
+    ExponentialSelectionConfig,
+    RandomSparsificationConfig,
+    SparseVectorSelectionConfig,
+    UniformSelectionConfig,
+)
+from widedp.errors import ConfigError
+from widedp.noise import sensitivity
+from widedp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, Spend, StepSpend
+
+JOURNAL = "spent.json"
+
+
+def selection_k(k: int | None, gamma: float | None, num_rows: int) -> int:
+    """Rows per step from ``k`` or ``gamma`` (fraction of all rows)."""
+    out = k if k is not None else max(1, round(gamma * num_rows))  # type: ignore[operator]
+    if out > num_rows:
+        raise ConfigError(f"dp.selection.k: {out} rows asked for but the model has only {num_rows}")
+    return out
+
+
+def selection_spend(dp: DPConfig, num_rows: int) -> Spend:
+    """What one step's selection spends (data-independent: known before training)."""
+    s = dp.selection
+    if isinstance(s, ExponentialSelectionConfig):
+        return ExponentialSpend(epsilon=s.epsilon, picks=selection_k(s.k, s.gamma, num_rows))
+    if isinstance(s, SparseVectorSelectionConfig):
+        return SparseVectorSpend(
+            epsilon=s.epsilon, cutoff=s.cutoff, epsilon_release=s.epsilon_release if s.release_values else 0.0
+        )
+    assert isinstance(s, (UniformSelectionConfig, RandomSparsificationConfig, AllRowsConfig))
+    return FreeSpend(s.name)
+
+
+def step_spend(dp: DPConfig, *, num_rows: int, batch_size: int, n: int) -> StepSpend:
+    """The StepSpend every step of this config emits (the step itself emits the same record)."""
+    delta2 = sensitivity(clip1=dp.clip1, clip2=dp.clip2, batch_size=batch_size)
+    return StepSpend(
+        sampling_rate=batch_size / n,
+        parts=(GaussianSpend(noise_multiplier=dp.noise_multiplier, sensitivity=delta2), selection_spend(dp, num_rows)),
+    )
+
+
+def steps_per_epoch(batch_size: int, n: int) -> int:
+    return max(1, round(n / batch_size))
+
+
+def calibrated(cfg: Config, *, num_rows: int, n: int) -> DPConfig:
+    """Return ``cfg.dp`` with sigma or the selection's epsilon solved for ``dp.target_epsilon`` (if asked)."""
+    dp = cfg.dp
+    assert dp is not None
+    if dp.calibrate == "none":
+        return dp
+    b = cfg.train.batch_size
+    steps = total_steps(cfg, n)
+    kw: dict[str, Any] = {"steps": steps, "delta": dp.delta, "target_epsilon": dp.target_epsilon,
+                          "accountant": dp.accountant}
+    if dp.calibrate == "noise_multiplier":
+        sigma = accounting.calibrate_noise_multiplier(
+            lambda s: step_spend(replace(dp, noise_multiplier=s), num_rows=num_rows, batch_size=b, n=n), **kw
+        )
+        return replace(dp, noise_multiplier=sigma)
+    eps = accounting.calibrate_selection_epsilon(
+        lambda e: step_spend(
+            replace(dp, selection=replace(dp.selection, epsilon=e)), num_rows=num_rows, batch_size=b, n=n
+        ),
+        **kw,
+    )
+    return replace(dp, selection=replace(dp.selection, epsilon=eps))
+
+
+def total_steps(cfg: Config, n: int) -> int:
+    if cfg.dp is None:
+        return cfg.train.epochs * -(-n // cfg.train.batch_size)
+    t = cfg.train.epochs * steps_per_epoch(cfg.train.batch_size, n)
+    return min(t, cfg.train.max_steps) if cfg.train.max_steps else t
+
+
+def budget_steps(dp: DPConfig, step: StepSpend) -> int | None:
+    """The most steps whose composition stays within ``dp.target_epsilon`` (None = no target)."""
+    if dp.target_epsilon is None:
+        return None
+    return accounting.max_steps(step, delta=dp.delta, target_epsilon=dp.target_epsilon, accountant=dp.accountant)
+
+
+def write_journal(run_dir: Path, ledger: accounting.Ledger) -> None:
+    write_json(run_dir / JOURNAL, ledger.to_json())
+
+
+def read_journal(run_dir: Path) -> accounting.Ledger | None:
+    path = run_dir / JOURNAL
+    if not path.exists():
+        return None
+    return accounting.Ledger.from_json(read_json(path))
+
+
+def resumed_ledger(checkpointed: accounting.Ledger, journal: accounting.Ledger | None, *, replayable: bool
+                   ) -> accounting.Ledger:
+    """The ledger a resumed run continues from (see the module docstring)."""
+    if journal is None or replayable or journal.steps <= checkpointed.steps:
+        return checkpointed
+    return journal
+
+
+def train_size(cfg: Config) -> int:
+    """n, the number of training samples, without training (prepares the data only for fractional splits)."""
+    first = cfg.data.splits[0]
+    if isinstance(first, int):
+        return first
+    from widedp.data_prep.cbow import prepare_cbow
+
+    return len(prepare_cbow(cfg.data).train.target)
+
+
+def epsilon_report(cfg: Config) -> dict[str, Any]:
+    """``widedp epsilon``: what the config would spend over its whole run (JSON-able; no training)."""
+    if cfg.dp is None:
+        raise ConfigError("epsilon: the config has no dp: section (non-private training spends no budget)")
+    n = train_size(cfg)
+    num_rows = cfg.data.vocab_size * (1 if cfg.model.tied else 2)
+    dp = calibrated(cfg, num_rows=num_rows, n=n)
+    step = step_spend(dp, num_rows=num_rows, batch_size=cfg.train.batch_size, n=n)
+    steps = total_steps(cfg, n)
+    cap = budget_steps(dp, step)
+    if cap is not None:
+        steps = min(steps, cap)
+    rep = accounting.report(step, steps=steps, delta=dp.delta)
+    rep.update({"n_train": n, "batch_size": cfg.train.batch_size, "selection": dp.selection.name,
+                "selection_epsilon": getattr(dp.selection, "epsilon", None), "accountant": dp.accountant,
+                "budget_steps": cap})
+    return rep

@@ -1,0 +1,299 @@
+"""``widedp train``: CBOW on a corpus, non-private or with the DP-sparse step (paper Alg. 3).
+
+    widedp train configs/brown_cbow_sparse_exp.yaml --out runs/exp
+    widedp train configs/brown_cbow_nonprivate.yaml --set train.epochs=1
+    widedp train --resume runs/exp            # after a crash or kill -9
+
+A run directory holds: config.yaml (resolved), metrics.jsonl, summary.json, loss.png, checkpoint.pt, vocab.json,
+and with DP spent.json (the privacy ledger journal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from widedp import accounting, budget
+from widedp.checkpoint import load_checkpoint, save_checkpoint, write_json
+from widedp.config import Config, config_from_dict
+from widedp.data_prep.cbow import Split, prepare_cbow
+from widedp.errors import ConfigError
+from widedp.models.cbow import CBOW, CBOWBatch
+from widedp.optim import make_row_optimizer
+from widedp.report import plot_losses
+from widedp.sampling import PoissonSampler, ShuffledBatches
+from widedp.selection import SelectionContext, make_selector
+from widedp.step import dp_step
+
+DP_OPTIMIZERS = ("sgd", "lazy_adam", "adam")
+PLAIN_OPTIMIZERS = ("sgd", "adam", "sparse_adam")
+
+
+@dataclass(frozen=True)
+class SplitTensors:
+    target: torch.Tensor
+    context: torch.Tensor
+    negatives: torch.Tensor
+
+    @classmethod
+    def of(cls, s: Split, device: torch.device) -> SplitTensors:
+        return cls(*(torch.as_tensor(a, dtype=torch.long, device=device) for a in (s.target, s.context, s.negatives)))
+
+    def __len__(self) -> int:
+        return self.target.numel()
+
+    def batch(self, idx: torch.Tensor) -> CBOWBatch:
+        return CBOWBatch(self.target.index_select(0, idx), self.context.index_select(0, idx),
+                         self.negatives.index_select(0, idx))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device: {name} requested but CUDA is not available")
+    return torch.device(name)
+
+
+@torch.inference_mode()
+def evaluate(model: CBOW, split: SplitTensors, *, batch_size: int, max_samples: int = 0) -> float:
+    """Mean per-sample loss over a split (or its first ``max_samples`` samples)."""
+    n = len(split) if not max_samples else min(max_samples, len(split))
+    if n == 0:
+        return float("nan")
+    total = torch.zeros((), dtype=torch.float64, device=split.target.device)
+    for start in range(0, n, batch_size):
+        idx = torch.arange(start, min(n, start + batch_size), device=split.target.device)
+        total += model(split.batch(idx)).double().sum()
+    return float(total) / n
+
+
+def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Train ``cfg`` into run directory ``out``; returns the summary dict (also written to summary.json)."""
+    t_setup = time.perf_counter()
+    tc = cfg.train
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    device = resolve_device(tc.device)
+    _check_optimizer(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = load_checkpoint(out, map_location=device) if resume else None
+    if ckpt is not None and ckpt["config_hash"] != cfg.hash():
+        raise ConfigError(f"{out}: checkpoint was written by a different config (hash {ckpt['config_hash']})")
+
+    data = prepare_cbow(cfg.data)
+    splits = {k: SplitTensors.of(getattr(data, k), device) for k in ("train", "valid", "test")}
+    train_split, n = splits["train"], len(splits["train"])
+    (out / "vocab.json").write_text(json.dumps(data.vocab))
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+    init_gen = torch.Generator().manual_seed(tc.seed)
+    model = CBOW(len(data.vocab), cfg.model.dim, tied=cfg.model.tied, sparse=cfg.model.sparse,
+                 init_scale=cfg.model.init_scale, generator=init_gen).to(device)
+    b, dp = tc.batch_size, cfg.dp
+    if dp is not None:
+        dp = budget.calibrated(cfg, num_rows=model.num_rows, n=n)
+        spend = budget.step_spend(dp, num_rows=model.num_rows, batch_size=b, n=n)
+        selector = make_selector(dp.selection, num_rows=model.num_rows)
+        optimizer: Any = make_row_optimizer(tc.optimizer, model.row_tables(), lr=tc.lr, betas=tc.betas, eps=tc.eps)
+        noise_gen = torch.Generator(device=device)
+        noise_gen.manual_seed(secrets.randbits(62) if dp.secure_rng else tc.seed + 1)
+        sample_seed = secrets.randbits(62) if dp.secure_rng else tc.seed
+        sampler: Any = PoissonSampler(n, sampling_rate=b / n, seed=sample_seed, device=device)
+        per_epoch = budget.steps_per_epoch(b, n)
+        budget_cap = budget.budget_steps(dp, spend)
+    else:
+        optimizer = _torch_optimizer(cfg, model)
+        sampler = ShuffledBatches(n, batch_size=b, seed=tc.seed, device=device)
+        per_epoch, budget_cap = sampler.steps_per_epoch, None
+    ledger = accounting.Ledger()
+    step, history, elapsed = 0, [], 0.0
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        step, history, elapsed = ckpt["step"], ckpt["history"], ckpt["elapsed"]
+        if dp is not None:
+            if not dp.secure_rng:
+                noise_gen.set_state(ckpt["noise_gen"].to("cpu") if device.type == "cpu" else ckpt["noise_gen"].cpu())
+            ledger = budget.resumed_ledger(accounting.Ledger.from_json(ckpt["ledger"]), budget.read_journal(out),
+                                           replayable=not dp.secure_rng)
+    total = budget.total_steps(cfg, n)
+    metrics = (out / "metrics.jsonl").open("a")
+
+    def log(rec: dict[str, Any]) -> None:
+        metrics.write(json.dumps(rec) + "\n")
+        metrics.flush()
+
+    def checkpoint() -> None:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                 "history": history, "elapsed": elapsed + time.perf_counter() - t0, "config_hash": cfg.hash()}
+        if dp is not None:
+            state["noise_gen"] = noise_gen.get_state()
+            state["ledger"] = ledger.to_json()
+            budget.write_journal(out, ledger)
+        save_checkpoint(out, state)
+
+    if ckpt is None:
+        history.append(_epoch_record(model, splits, tc, -1, 0, dp, ledger))
+        log({"kind": "start", "n_train": n, "steps_per_epoch": per_epoch, "total_steps": total,
+             "dp": None if dp is None else {"noise_multiplier": dp.noise_multiplier,
+                                            "selection": dp.selection.name, "budget_steps": budget_cap}})
+    setup_s = time.perf_counter() - t_setup
+    stopped_by_budget = False
+    bar = tqdm(total=total, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
+    loss_acc = torch.zeros((), device=device)
+    stats_acc = torch.zeros(5, device=device)
+    acc_steps, acc_samples, t0 = 0, torch.zeros((), device=device, dtype=torch.long), time.perf_counter()
+    t_window = t0
+    while step < total:
+        epoch = step // per_epoch
+        if budget_cap is not None and ledger.steps >= budget_cap:
+            stopped_by_budget = True
+            break
+        if dp is not None and acc_steps == 0:
+            # reserve the interval in the journal before any of it can leave the process
+            reserve = min(tc.log_every, total - step, (budget_cap - ledger.steps) if budget_cap else tc.log_every)
+            pending = accounting.Ledger.from_json(ledger.to_json())
+            pending.add(spend, count=reserve)
+            budget.write_journal(out, pending)
+        idx = sampler.batch(step)
+        batch = train_split.batch(idx)
+        if dp is not None:
+            with torch.inference_mode():
+                loss, grads = model.per_sample_row_grads(batch)
+                res = dp_step(grads, batch_size=b, sampling_rate=b / n, clip1=dp.clip1, clip2=dp.clip2,
+                              noise_multiplier=dp.noise_multiplier, selector=selector,
+                              ctx=SelectionContext(epoch=epoch, num_epochs=tc.epochs), generator=noise_gen)
+                optimizer.step(res.grad)
+                stats_acc += res.stats.as_tensor()
+            ledger.add(res.spend)
+            loss_acc += loss.sum()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(batch)
+            loss.mean().backward()
+            optimizer.step()
+            loss_acc += loss.detach().sum()
+        acc_samples += idx.numel()
+        step += 1
+        acc_steps += 1
+        bar.update(1)
+        end_of_epoch = step % per_epoch == 0 or step == total
+        if acc_steps == tc.log_every or end_of_epoch:
+            now = time.perf_counter()
+            samples = int(acc_samples)
+            rec = {"kind": "interval", "step": step, "epoch": epoch, "samples": samples,
+                   "train_loss": float(loss_acc) / max(samples, 1), "samples_per_s": samples / (now - t_window)}
+            if dp is not None:
+                s = (stats_acc / acc_steps).tolist()
+                rec.update(dict(zip(("rows_selected", "touched_share", "clipped1", "clipped2", "noise_norm"), s)))
+            log(rec)
+            bar.set_postfix(loss=f"{rec['train_loss']:.4f}")
+            loss_acc.zero_()
+            stats_acc.zero_()
+            acc_samples.zero_()
+            acc_steps, t_window = 0, time.perf_counter()
+        if end_of_epoch:
+            history.append(_epoch_record(model, splits, tc, epoch, step, dp, ledger))
+            log({"kind": "epoch", **history[-1]})
+        if end_of_epoch or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
+            checkpoint()
+    bar.close()
+    wall = elapsed + time.perf_counter() - t0
+    if acc_steps or stopped_by_budget or step == total:
+        if not history or history[-1]["step"] != step:
+            history.append(_epoch_record(model, splits, tc, step // per_epoch, step, dp, ledger))
+            log({"kind": "epoch", **history[-1]})
+        checkpoint()
+    metrics.close()
+    summary = _summary(cfg, dp, history, step, per_epoch, wall, setup_s, n, ledger, stopped_by_budget, budget_cap)
+    write_json(out / "summary.json", summary)
+    plot_losses(history, out / "loss.png", title=_title(cfg, dp))
+    if stopped_by_budget:
+        print(f"widedp: stopped at step {step}: the next step would exceed dp.target_epsilon="
+              f"{dp.target_epsilon} (checkpoint saved in {out})")
+    return summary
+
+
+def _epoch_record(model: CBOW, splits: dict[str, SplitTensors], tc: Any, epoch: int, step: int, dp: Any,
+                  ledger: accounting.Ledger) -> dict[str, Any]:
+    model.eval()
+    rec = {"epoch": epoch + 1, "step": step,
+           "train_loss": evaluate(model, splits["train"], batch_size=tc.eval_batch_size,
+                                  max_samples=tc.eval_max_samples),
+           "valid_loss": evaluate(model, splits["valid"], batch_size=tc.eval_batch_size,
+                                  max_samples=tc.eval_max_samples),
+           "test_loss": evaluate(model, splits["test"], batch_size=tc.eval_batch_size,
+                                 max_samples=tc.eval_max_samples)}
+    model.train()
+    if dp is not None and ledger.steps:
+        rec["epsilon"] = accounting.epsilon(ledger, delta=dp.delta, accountant="rdp")
+    return rec
+
+
+def _summary(cfg: Config, dp: Any, history: list[dict[str, Any]], step: int, per_epoch: int, wall: float,
+             setup_s: float, n: int, ledger: accounting.Ledger, stopped: bool, cap: int | None) -> dict[str, Any]:
+    last = history[-1] if history else {}
+    samples = step * cfg.train.batch_size
+    out: dict[str, Any] = {
+        "train_loss": last.get("train_loss"), "valid_loss": last.get("valid_loss"),
+        "test_loss": last.get("test_loss"), "steps": step, "epochs": step / per_epoch,
+        "samples_per_s": samples / wall if wall > 0 else None, "wall_s": wall, "setup_s": setup_s, "n_train": n,
+        "config_hash": cfg.hash(), "private": dp is not None, "initial_valid_loss": history[0]["valid_loss"],
+    }
+    if dp is not None:
+        out["dp"] = {
+            "delta": dp.delta, "noise_multiplier": dp.noise_multiplier, "selection": dp.selection.name,
+            "selection_epsilon": getattr(dp.selection, "epsilon", None), "accountant": dp.accountant,
+            "epsilon": accounting.epsilon(ledger, delta=dp.delta, accountant=dp.accountant) if ledger.steps else 0.0,
+            "epsilon_rdp": accounting.epsilon(ledger, delta=dp.delta, accountant="rdp") if ledger.steps else 0.0,
+            "stopped_by_budget": stopped, "budget_steps": cap, "target_epsilon": dp.target_epsilon,
+            "ledger": ledger.to_json(),
+        }
+    return out
+
+
+def _title(cfg: Config, dp: Any) -> str:
+    return "non-private" if dp is None else f"DP {dp.selection.name}, sigma={dp.noise_multiplier:g}"
+
+
+def _check_optimizer(cfg: Config) -> None:
+    allowed = PLAIN_OPTIMIZERS if cfg.dp is None else DP_OPTIMIZERS
+    if cfg.train.optimizer not in allowed:
+        mode = "non-private" if cfg.dp is None else "DP"
+        raise ConfigError(f"train.optimizer: {cfg.train.optimizer!r} is not available for {mode} training "
+                          f"(expected one of {', '.join(allowed)})")
+    if cfg.dp is None and cfg.train.optimizer == "sparse_adam" and not cfg.model.sparse:
+        raise ConfigError("train.optimizer: sparse_adam needs model.sparse: true")
+
+
+def _torch_optimizer(cfg: Config, model: CBOW) -> torch.optim.Optimizer:
+    tc = cfg.train
+    if tc.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=tc.lr)
+    if tc.optimizer == "sparse_adam":
+        return torch.optim.SparseAdam(list(model.parameters()), lr=tc.lr, betas=tc.betas, eps=tc.eps)
+    if cfg.model.sparse:
+        raise ConfigError("train.optimizer: adam (dense) needs model.sparse: false; use sparse_adam for sparse "
+                          "embeddings")
+    return torch.optim.Adam(model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.eps)
+
+
+def load_run_config(run_dir: Path) -> Config:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: no config.yaml (not a widedp run directory)")
+    return config_from_dict(yaml.safe_load(path.read_text()))
+
+
+def default_out(config_path: str | os.PathLike[str]) -> Path:
+    return Path("runs") / Path(config_path).stem
