@@ -1,19 +1,22 @@
 """Read a corpus (Brown via NLTK, a local text file, a Hugging Face dataset), filter its tokens, pick a vocabulary.
 
 The filtered corpus is kept as integer ids into an alphabetically sorted word list, sentence by sentence, and cached
-on disk (``<cache_dir>/corpus-<key>.npz``) so that Brown (7–12 s through NLTK) is read once per filter setting.
+on disk (``<cache_dir>/corpus-<key>.npz``) so that Brown (7–12 s through NLTK) is read once per filter setting and
+``max_sentences``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -33,8 +36,7 @@ class Corpus:
     Attributes:
         words: [W] str, the distinct words left after filtering, sorted alphabetically (an id = an index here).
         ids: [T] int64, the filtered tokens of all sentences, concatenated.
-        offsets: [S+1] int64, sentence s is ``ids[offsets[s]:offsets[s+1]]`` (sentences left empty are kept, so that
-            ``max_sentences`` counts the sentences of the source).
+        offsets: [S+1] int64, sentence s is ``ids[offsets[s]:offsets[s+1]]`` (sentences left empty are kept).
     """
 
     words: np.ndarray
@@ -44,12 +46,6 @@ class Corpus:
     @property
     def num_sentences(self) -> int:
         return len(self.offsets) - 1
-
-    def head(self, n: int) -> Corpus:
-        """The first ``n`` sentences (all when ``n`` is 0 or too large); words stay as they are."""
-        if n <= 0 or n >= self.num_sentences:
-            return self
-        return Corpus(self.words, self.ids[: self.offsets[n]], self.offsets[: n + 1])
 
 
 @dataclass(frozen=True)
@@ -70,22 +66,19 @@ class Vocab:
 
 
 def read_sentences(cfg: DataConfig) -> Iterable[Sequence[str]]:
-    """The raw token lists of ``cfg.corpus``, unfiltered (Brown: NLTK's sentences; text/hf: one per line/row).
-
-    Reads only the first ``cfg.max_sentences`` for ``text:``/``hf:`` corpora (Brown is always read whole so that its
-    cache serves every ``max_sentences``).
-    """
-    if cfg.corpus == "brown":
-        return _brown_sentences()
+    """The raw token lists of ``cfg.corpus``, unfiltered (Brown: NLTK's sentences; text/hf: one per line/row); only
+    the first ``cfg.max_sentences`` when that is not 0."""
     limit = cfg.max_sentences or None
+    if cfg.corpus == "brown":
+        return _brown_sentences(limit)
     if cfg.corpus.startswith("text:"):
         return _text_sentences(cfg.corpus[5:], limit)
     return _hf_sentences(cfg, limit)
 
 
-def _brown_sentences() -> list[list[str]]:
-    brown = _nltk_corpus("brown")
-    return [list(s) for s in brown.sents()]
+def _brown_sentences(limit: int | None) -> list[list[str]]:
+    sents = _nltk_corpus("brown").sents()  # a lazy corpus view: slicing reads only what it needs
+    return [list(s) for s in (sents[:limit] if limit else sents)]
 
 
 def stopword_set() -> frozenset[str]:
@@ -93,7 +86,7 @@ def stopword_set() -> frozenset[str]:
     return frozenset(_nltk_corpus("stopwords").words("english"))
 
 
-def _nltk_corpus(name: str):  # noqa: ANN202 - an NLTK LazyCorpusLoader
+def _nltk_corpus(name: str) -> Any:  # an NLTK corpus reader
     """``nltk.corpus.<name>``, downloading it quietly when missing; ConfigError when that fails too."""
     import nltk
 
@@ -108,7 +101,7 @@ def _nltk_corpus(name: str):  # noqa: ANN202 - an NLTK LazyCorpusLoader
     except LookupError:
         pass
     try:
-        ok = nltk.download(name, quiet=True, raise_on_error=True)
+        ok = nltk.download(name, quiet=True, raise_on_error=True, print_error_to=io.StringIO())
     except Exception:  # offline: URLError, ValueError, ...
         ok = False
     try:
@@ -191,16 +184,16 @@ def filter_sentences(
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:
-    """The filtered corpus of ``cfg`` (first ``max_sentences`` sentences), from the cache when there."""
+    """The filtered corpus of ``cfg``, from the cache when there."""
     path = _corpus_cache_path(cfg)
     corpus = _load_cached(path) if path is not None else None
     if corpus is None:
+        sentences = read_sentences(cfg)  # first: errors about the corpus come before those about stop words
         stop = stopword_set() if cfg.remove_stopwords else frozenset()
-        corpus = filter_sentences(read_sentences(cfg), lowercase=cfg.lowercase, alpha_only=cfg.alpha_only,
-                                  stopwords=stop)
+        corpus = filter_sentences(sentences, lowercase=cfg.lowercase, alpha_only=cfg.alpha_only, stopwords=stop)
         if path is not None:
             _save_cached(path, corpus)
-    return corpus.head(cfg.max_sentences)
+    return corpus
 
 
 def select_vocab(corpus: Corpus, vocab_size: int, *, source: str = "") -> Vocab:
@@ -231,9 +224,8 @@ def _corpus_cache_path(cfg: DataConfig) -> Path | None:
     if root is None:
         return None
     key: dict[str, object] = {"corpus": cfg.corpus, "lowercase": cfg.lowercase, "alpha_only": cfg.alpha_only,
-                              "remove_stopwords": cfg.remove_stopwords, "token_re": TOKEN_RE.pattern, "v": 1}
-    if cfg.corpus != "brown":  # only these read a prefix of the source
-        key["max_sentences"] = cfg.max_sentences
+                              "remove_stopwords": cfg.remove_stopwords, "max_sentences": cfg.max_sentences,
+                              "token_re": TOKEN_RE.pattern, "v": 1}
     if cfg.corpus.startswith("text:"):
         p = Path(cfg.corpus[5:]).expanduser()
         if p.is_file():
@@ -264,7 +256,8 @@ def atomic_savez(path: Path, **arrays: np.ndarray) -> None:
     write_atomic(path, lambda f: np.savez(f, **arrays))
 
 
-def write_atomic(path: Path, write) -> None:  # noqa: ANN001 - write(binary file object)
+def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` through ``write(file)`` into a temporary file beside it, then ``os.replace``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:

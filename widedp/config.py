@@ -48,14 +48,15 @@ class DataConfig:
         corpus: ``brown`` | ``text:PATH`` (a local UTF-8 file, one document or sentence per line) |
             ``hf:NAME[:CONFIG]`` (a Hugging Face ``datasets`` text dataset; see ``hf_split`` / ``hf_column``).
         vocab_size: V, the number of most frequent words kept (after stop-word removal).
-        window: context window; the context of a target is the ``window`` nearest in-vocabulary words on each side.
+        window: context window; the context of a target is the ``window`` nearest in-vocabulary words on each side,
+            within its sentence (979,216 pairs on Brown with the paper preset).
         negatives: negative samples per sample, drawn from unigram^0.75, never equal to the target.
         sample_shape: ``pair`` (target + one context word, the paper's) or ``bag`` (target + its whole window).
         splits: sizes of train / valid / test: integers (samples) or fractions of all samples summing to <= 1.
         seed: seed of the shuffle and of the negatives.
         lowercase, alpha_only, remove_stopwords: token filters (the paper: all true).
         max_sentences: keep only the first N sentences (0 = all) — for smoke tests.
-        cache_dir: where prepared id arrays are cached (keyed by these parameters).
+        cache_dir: where prepared id arrays are cached (keyed by these parameters); "" turns caching off.
     """
 
     preset: Literal["paper", "brown_10k", "custom"] = "paper"
@@ -307,6 +308,8 @@ class DPConfig:
         calibrate: with target_epsilon: ``none`` | ``noise_multiplier`` (solve sigma) | ``selection_epsilon``.
         selection: the row-selection mechanism, ``{name: exponential | sparse_vector | uniform |
             random_sparsification | all, ...}``.
+        engine: ``widedp`` (our step) | ``opacus`` (Opacus' PrivacyEngine on an equivalent nn.Embedding CBOW — the
+            DP-SGD baseline; needs ``selection: {name: all}``).
     """
 
     clip1: float = 15.0
@@ -318,8 +321,13 @@ class DPConfig:
     target_epsilon: float | None = None
     calibrate: Literal["none", "noise_multiplier", "selection_epsilon"] = "none"
     selection: SelectionConfig = field(default_factory=ExponentialSelectionConfig)
+    engine: Literal["widedp", "opacus"] = "widedp"
 
     def __post_init__(self) -> None:
+        if self.engine == "opacus" and self.selection.name != "all":
+            raise ConfigError(
+                f"dp.engine: opacus runs DP-SGD only (dp.selection.name: all), not {self.selection.name!r}"
+            )
         _positive("dp.clip1", self.clip1)
         if self.clip2 is not None:
             _positive("dp.clip2", self.clip2)

@@ -1,0 +1,18 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_NLTK = ROOT.parent / "shared" / "nltk_data"
+if "NLTK_DATA" not in os.environ and SHARED_NLTK.is_dir():
+    os.environ["NLTK_DATA"] = str(SHARED_NLTK)
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def brown_cache(tmp_path_factory) -> str:
+    """One cache directory for every Brown test of the session (Brown loads in ~10 s, once)."""
+    return str(tmp_path_factory.mktemp("widedp-cache"))
