@@ -19,12 +19,13 @@ def clip_per_sample(g: PerSampleRows, *, clip1: float) -> tuple[PerSampleRows, T
         The clipped ``PerSampleRows`` (same rows/offsets) and [B] bool: was the sample's norm > clip1.
     """
     sq = torch.linalg.vector_norm(g.values, dim=1).square_()  # [nnz]
-    norms = torch.segment_reduce(sq, "sum", offsets=g.offsets).sqrt_()  # [B]; empty sample -> 0
-    # clip1 / max(norm, clip1) is exactly 1 for unclipped samples (no epsilon in the denominator)
-    factor = torch.clamp(norms, min=clip1).reciprocal_().mul_(clip1)
-    per_pair = torch.repeat_interleave(factor, g.lengths(), output_size=g.values.shape[0])
+    sq_norms = torch.segment_reduce(sq, "sum", offsets=g.offsets)  # [B]; an empty sample -> 0
+    ratio = sq_norms / (clip1 * clip1)
+    was_clipped = ratio > 1
+    factor = ratio.clamp_(min=1.0).rsqrt_()  # min(1, clip1 / norm); exactly 1 for unclipped samples
+    per_pair = torch.repeat_interleave(factor, g.offsets.diff(), output_size=g.values.shape[0])
     values = g.values * per_pair.unsqueeze(1)
-    return PerSampleRows(values=values, rows=g.rows, offsets=g.offsets, num_rows=g.num_rows), norms > clip1
+    return PerSampleRows(values=values, rows=g.rows, offsets=g.offsets, num_rows=g.num_rows), was_clipped
 
 
 def aggregate(g: PerSampleRows, *, batch_size: float) -> tuple[Tensor, Tensor]:
@@ -65,6 +66,6 @@ def clip_l2(values: Tensor, *, clip: float | None) -> tuple[Tensor, Tensor]:
     """
     if clip is None:
         return values, torch.zeros((), dtype=torch.bool, device=values.device)
-    norm = torch.linalg.vector_norm(values)
-    factor = torch.clamp(norm, min=clip).reciprocal_().mul_(clip)
-    return values * factor, norm > clip
+    ratio = torch.linalg.vector_norm(values) / clip
+    clipped = ratio > 1
+    return values * ratio.clamp_(min=1.0).reciprocal_(), clipped  # exactly 1 when not clipped

@@ -1,0 +1,98 @@
+"""The DP step at embedding-row level (paper Alg. 3; privacy.md §1): per-sample rows in, noisy selected rows out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from widedp.clipping import aggregate, clip_l2, clip_per_sample, restrict
+from widedp.noise import gaussian_noise, sensitivity
+from widedp.rowgrads import PerSampleRows, SparseRows
+from widedp.selection import SelectionContext, Selector
+from widedp.spend import GaussianSpend, StepSpend
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Diagnostics of one step, kept as 0-dim tensors (no host sync in the step); ``as_floats`` for logging.
+
+    rows_selected: k. touched_share: share of the selected rows the batch touched. clipped1: fraction of samples
+    clipped at S1. clipped2: was Δ̂ clipped at S2. noise_norm: L2 norm of all the noise added.
+    """
+
+    rows_selected: int
+    touched_share: Tensor
+    clipped1: Tensor
+    clipped2: Tensor
+    noise_norm: Tensor
+
+    def as_floats(self) -> dict[str, float]:
+        return {
+            "rows_selected": float(self.rows_selected),
+            "touched_share": float(self.touched_share),
+            "clipped1": float(self.clipped1),
+            "clipped2": float(self.clipped2),
+            "noise_norm": float(self.noise_norm),
+        }
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """grad: the noisy gradient on the selected rows only; selected: [k] their ids; spend: what the step spent."""
+
+    grad: SparseRows
+    selected: Tensor
+    spend: StepSpend
+    stats: StepStats
+
+
+def dp_step(
+    g: PerSampleRows,
+    *,
+    batch_size: float,
+    sampling_rate: float,
+    clip1: float,
+    clip2: float | None,
+    noise_multiplier: float,
+    selector: Selector,
+    ctx: SelectionContext,
+    generator: torch.Generator,
+) -> StepResult:
+    """One DP step on a Poisson(q) batch of per-sample row gradients (B may be 0).
+
+    clip each sample at S1 -> ĝ = (1/b) Σ_j (b the expected batch size) -> scores u_r = min(||ĝ_r||, S0) ->
+    select rows M among ALL R rows (Δu = min(S0, S1/b)) -> Δ̂ = clip_S2(M ⊙ ĝ) -> + N(0, (σΔ₂)²) on every
+    coordinate of every selected row, Δ₂ = min(S1/b, 2·S2).
+    """
+    clipped, was_clipped = clip_per_sample(g, clip1=clip1)
+    touched, ghat = aggregate(clipped, batch_size=batch_size)  # [U], [U, D]
+
+    s0 = selector.score_clip
+    if s0 is None:
+        scores, score_sens = ghat.new_zeros(0), 0.0
+    else:
+        scores = torch.linalg.vector_norm(ghat, dim=1).clamp_(max=s0)
+        score_sens = min(s0, clip1 / batch_size)
+    selected, selection_spend = selector.select(
+        touched, scores, num_rows=g.num_rows, score_sensitivity=score_sens, ctx=ctx, generator=generator
+    )
+
+    delta, hit = restrict(touched, ghat, selected)  # [k, D]; zeros on selected rows the batch did not touch
+    delta, clipped2 = clip_l2(delta, clip=clip2)
+    d2 = sensitivity(clip1=clip1, clip2=clip2, batch_size=batch_size)
+    noise = gaussian_noise(
+        delta.shape, std=noise_multiplier * d2, generator=generator, device=delta.device, dtype=delta.dtype
+    )
+
+    k, b = selected.numel(), was_clipped.numel()
+    stats = StepStats(
+        rows_selected=k,
+        touched_share=hit.sum() / max(k, 1),
+        clipped1=was_clipped.sum() / max(b, 1),
+        clipped2=clipped2,
+        noise_norm=torch.linalg.vector_norm(noise),
+    )
+    spend = StepSpend(sampling_rate, (GaussianSpend(noise_multiplier, d2), selection_spend))
+    return StepResult(SparseRows(selected, delta + noise, g.num_rows), selected, spend, stats)
