@@ -1,1 +1,56 @@
-"""Privacy accounting: compose StepSpend records (RDP, PLD, the paper's Theorem 3)."""
+"""Privacy accounting: compose StepSpend records (PLD headline, RDP cross-check, the paper's Theorem 3).
+
+Each DP step emits ``StepSpend(sampling_rate=q, parts=(GaussianSpend(sigma), <selection spend>))``. The parts saw
+the same Poisson batch, so they are composed inside the step and amplified by sampling ONCE (privacy.md §3);
+adjacency is add/remove and the max over the two directions is reported.
+
+- ``pld`` (``widedp.accounting.pld``): dominating pair per step, pessimistic discretisation, FFT composition.
+- ``rdp`` (``widedp.accounting.rdp``): RDP curves, Zhu-Wang subsampling (exact sampled Gaussian when the selection
+  is free), Balle et al. conversion.
+- ``paper`` (``widedp.accounting.paper``): Theorem 3 as written; NOT a valid bound (always warns).
+
+Public API::
+
+    Ledger().add(step, count=1); Ledger.to_json() / Ledger.from_json(d); ledger.steps
+    epsilon(ledger, *, delta, accountant="pld") -> float
+    epsilon_for_step(step, *, steps, delta, accountant="pld") -> float
+    compose_epsilon([(step, count), ...], *, delta, accountant="pld") -> float
+    report(step, *, steps, delta) -> dict
+    calibrate_noise_multiplier(make_step, *, steps, delta, target_epsilon, accountant="pld") -> float
+    calibrate_selection_epsilon(make_step, *, steps, delta, target_epsilon, accountant="pld") -> float
+    max_steps(step, *, delta, target_epsilon, accountant="pld") -> int
+    paper_selection_epsilon(total_epsilon, *, delta, sampling_rate, steps, picks) -> float
+"""
+
+from widedp.accounting.accountant import (
+    ACCOUNTANTS,
+    Accountant,
+    compose_epsilon,
+    epsilon,
+    epsilon_for_step,
+    noise_part,
+    report,
+    selection_part,
+)
+from widedp.accounting.calibrate import calibrate_noise_multiplier, calibrate_selection_epsilon, max_steps
+from widedp.accounting.ledger import Ledger, step_from_json, step_to_json
+from widedp.accounting.paper import PaperAccountantWarning, paper_selection_epsilon
+
+__all__ = [
+    "ACCOUNTANTS",
+    "Accountant",
+    "Ledger",
+    "PaperAccountantWarning",
+    "calibrate_noise_multiplier",
+    "calibrate_selection_epsilon",
+    "compose_epsilon",
+    "epsilon",
+    "epsilon_for_step",
+    "max_steps",
+    "noise_part",
+    "paper_selection_epsilon",
+    "report",
+    "selection_part",
+    "step_from_json",
+    "step_to_json",
+]

@@ -1,0 +1,257 @@
+"""Calibration: the noise multiplier or the selection's per-mechanism epsilon that spends a target eps, and the
+largest number of steps within a budget.
+
+Both calibrations return a parameter whose eps is <= target and >= (1 - tolerance) * target (default 1%). Search:
+a bracket grown geometrically from a start point (for the pld accountant, the cheap rdp answer), then the Illinois
+variant of regula falsi on (log x, log eps), which converges superlinearly from both sides.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from widedp.accounting.accountant import Accountant, _check, epsilon_for_step, noise_part, selection_part
+from widedp.accounting.parts import costs_of
+from widedp.accounting.pld import PLDRangeError
+from widedp.errors import ConfigError
+from widedp.spend import StepSpend
+
+_MAX_ITER = 60
+
+
+def _log(v: float) -> float:
+    return math.log(v) if v > 0 else -math.inf
+
+
+def _eps_or_inf(step: StepSpend, steps: int, delta: float, accountant: Accountant) -> float:
+    try:
+        return epsilon_for_step(step, steps=steps, delta=delta, accountant=accountant)
+    except PLDRangeError:  # loss range too wide for a grid: far above any sensible target
+        return math.inf
+
+
+def _illinois_step(lo: float, hi: float, f_lo: float, f_hi: float) -> float:
+    """Root of the line through (lo, f_lo), (hi, f_hi), or the midpoint when that is undefined."""
+    if math.isfinite(f_lo) and math.isfinite(f_hi) and f_hi != f_lo:
+        return lo - f_lo * (hi - lo) / (f_hi - f_lo)
+    return 0.5 * (lo + hi)
+
+
+def _solve(
+    f: Callable[[float], float],
+    target: float,
+    *,
+    increasing: bool,
+    x0: float,
+    x_min: float,
+    x_max: float,
+    tol: float,
+    floor: float = 0.0,
+) -> float:
+    """x in [x_min, x_max] with (1 - tol) target <= f(x) <= target, f monotone; x_max if f(x_max) <= target.
+
+    ``floor`` < target is the limit of f at the cheap end (the other mechanism's eps alone): interpolating
+    log(f - floor) instead of log f keeps the secant accurate near it.
+    """
+    aim = math.log(target * (1.0 - tol / 2.0) - floor)
+    sign = 1.0 if increasing else -1.0
+    cache: dict[float, float] = {}
+
+    def g(u: float) -> float:  # u = sign * log x, so g is increasing in u; root at g = 0
+        x = math.exp(sign * u)
+        if x not in cache:
+            cache[x] = f(x)
+        return _log(cache[x] - floor) - aim
+
+    def done(u: float) -> bool:
+        v = cache[math.exp(sign * u)]
+        return (1.0 - tol) * target <= v <= target
+
+    u_min, u_max = sorted((sign * math.log(x_min), sign * math.log(x_max)))
+    u = min(max(sign * math.log(x0), u_min), u_max)
+    step = math.log(1.25)
+    g_u = g(u)
+    if done(u):
+        return math.exp(sign * u)
+    if g_u <= 0:  # grow until a bad point
+        lo, g_lo = u, g_u
+        while True:
+            if lo >= u_max:
+                return math.exp(sign * lo)
+            u = min(lo + step, u_max)
+            g_u = g(u)
+            if g_u > 0:
+                hi, g_hi = u, g_u
+                break
+            if done(u):
+                return math.exp(sign * u)
+            lo, g_lo, step = u, g_u, 2 * step
+    else:  # shrink until a good point
+        hi, g_hi = u, g_u
+        while True:
+            if hi <= u_min:
+                raise ConfigError(
+                    f"calibration: no value in [{x_min:g}, {x_max:g}] reaches eps <= {target:g}"
+                )
+            u = max(hi - step, u_min)
+            g_u = g(u)
+            if g_u <= 0:
+                lo, g_lo = u, g_u
+                break
+            hi, g_hi, step = u, g_u, 2 * step
+    side = 0
+    for _ in range(_MAX_ITER):
+        if done(lo) or cache[math.exp(sign * lo)] <= target and hi - lo < 1e-12:
+            break
+        u = _illinois_step(lo, hi, g_lo, g_hi)
+        u = min(max(u, lo + 1e-3 * (hi - lo)), hi - 1e-3 * (hi - lo))
+        g_u = g(u)
+        if cache[math.exp(sign * u)] <= target:
+            lo, g_lo = u, g_u
+            if side == -1:
+                g_hi /= 2.0
+            side = -1
+        else:
+            hi, g_hi = u, g_u
+            if side == 1:
+                g_lo /= 2.0
+            side = 1
+    return math.exp(sign * lo)
+
+
+def _rdp_start(solver: Callable[..., float], x_default: float, accountant: str, **kw: object) -> float:
+    if accountant != "pld":
+        return x_default
+    try:
+        return solver(**kw, accountant="rdp", tolerance=0.05)
+    except ConfigError:
+        return x_default
+
+
+def calibrate_noise_multiplier(
+    make_step: Callable[[float], StepSpend],
+    *,
+    steps: int,
+    delta: float,
+    target_epsilon: float,
+    accountant: Accountant = "pld",
+    tolerance: float = 0.01,
+) -> float:
+    """sigma with eps(make_step(sigma), steps) in [(1 - tolerance) target, target] (so eps <= target).
+
+    The selection (everything but the Gaussian parts of ``make_step(sigma)``) is held fixed. Raises ConfigError when
+    the selection alone already spends >= target (no sigma can reach it).
+    """
+    _check(delta, accountant)
+    if not target_epsilon > 0:
+        raise ConfigError(f"dp.target_epsilon: must be > 0, got {target_epsilon}")
+    sel_eps = epsilon_for_step(selection_part(make_step(1.0)), steps=steps, delta=delta, accountant=accountant)
+    if sel_eps >= target_epsilon:
+        raise ConfigError(
+            f"dp.target_epsilon: {target_epsilon:g} is infeasible: the selection alone already spends eps = "
+            f"{sel_eps:.4g} over {steps} steps at delta={delta:g} ({accountant}) even with infinite noise; "
+            "lower the selection's epsilon or raise the target"
+        )
+    kw = dict(make_step=make_step, steps=steps, delta=delta, target_epsilon=target_epsilon)
+    x0 = _rdp_start(calibrate_noise_multiplier, 1.0, accountant, **kw)
+    return _solve(
+        lambda s: _eps_or_inf(make_step(s), steps, delta, accountant),
+        target_epsilon, increasing=False, x0=x0, x_min=1e-3, x_max=1e4, tol=tolerance, floor=sel_eps,
+    )
+
+
+def calibrate_selection_epsilon(
+    make_step: Callable[[float], StepSpend],
+    *,
+    steps: int,
+    delta: float,
+    target_epsilon: float,
+    accountant: Accountant = "pld",
+    tolerance: float = 0.01,
+    max_epsilon: float = 100.0,
+) -> float:
+    """Selection epsilon x (e.g. eps'' per pick) with eps(make_step(x), steps) in [(1 - tolerance) target, target],
+    sigma held fixed; ``max_epsilon`` when even that stays below the target.
+
+    Raises ConfigError when the noise alone already spends >= target.
+    """
+    _check(delta, accountant)
+    if not target_epsilon > 0:
+        raise ConfigError(f"dp.target_epsilon: must be > 0, got {target_epsilon}")
+    noise_eps = epsilon_for_step(noise_part(make_step(1.0)), steps=steps, delta=delta, accountant=accountant)
+    if noise_eps >= target_epsilon:
+        raise ConfigError(
+            f"dp.target_epsilon: {target_epsilon:g} is infeasible: the Gaussian noise alone already spends eps = "
+            f"{noise_eps:.4g} over {steps} steps at delta={delta:g} ({accountant}); raise dp.noise_multiplier or "
+            "the target"
+        )
+    kw = dict(make_step=make_step, steps=steps, delta=delta, target_epsilon=target_epsilon, max_epsilon=max_epsilon)
+    # Default start 1/(number of selection mechanisms): large totals make wide (slow) PLD grids.
+    c = costs_of(make_step(1.0))
+    n_mech = sum(n for _, n in c.bounded_range + c.pure) or 1
+    x0 = _rdp_start(calibrate_selection_epsilon, min(1.0 / n_mech, max_epsilon), accountant, **kw)
+    return _solve(
+        lambda e: _eps_or_inf(make_step(e), steps, delta, accountant),
+        target_epsilon, increasing=True, x0=x0, x_min=1e-6, x_max=max_epsilon, tol=tolerance, floor=noise_eps,
+    )
+
+
+def max_steps(
+    step: StepSpend, *, delta: float, target_epsilon: float, accountant: Accountant = "pld", limit: int = 10**9
+) -> int:
+    """The largest T <= ``limit`` with eps(T identical steps) <= target (0 when one step already exceeds it)."""
+    _check(delta, accountant)
+    if not target_epsilon > 0:
+        raise ConfigError(f"dp.target_epsilon: must be > 0, got {target_epsilon}")
+    cache: dict[int, float] = {}
+
+    def g(t: int) -> float:  # log eps(t) - log target: <= 0 iff t is within budget
+        if t not in cache:
+            cache[t] = _eps_or_inf(step, t, delta, accountant)
+        return _log(cache[t]) - math.log(target_epsilon)
+
+    if g(1) > 0:
+        return 0
+    t = 1
+    if accountant == "pld":  # start from the cheap RDP answer (usually within a factor of a few)
+        t = max(1, max_steps(step, delta=delta, target_epsilon=target_epsilon, accountant="rdp", limit=limit))
+    # Bracket lo <= T* < hi, stepping in log T by the local slope of log eps (eps ~ T^p).
+    factor = 1.25
+    if g(t) <= 0:
+        lo = t
+        while True:
+            if lo >= limit:
+                return limit
+            t = min(limit, max(lo + 1, int(lo * factor)))
+            if g(t) > 0:
+                hi = t
+                break
+            lo, factor = t, factor**2
+    else:
+        hi = t
+        while True:
+            t = min(hi - 1, max(1, int(hi / factor)))
+            if g(t) <= 0:
+                lo = t
+                break
+            hi, factor = t, factor**2
+    g_lo, g_hi, side = g(lo), g(hi), 0
+    while hi - lo > 1:
+        if hi - lo <= 4:
+            t = (lo + hi) // 2
+        else:
+            u = _illinois_step(math.log(lo), math.log(hi), g_lo, g_hi)
+            t = min(max(int(round(math.exp(u))), lo + 1), hi - 1)
+        g_t = g(t)
+        if g_t <= 0:
+            lo, g_lo = t, g_t
+            if side == -1:
+                g_hi /= 2.0
+            side = -1
+        else:
+            hi, g_hi = t, g_t
+            if side == 1:
+                g_lo /= 2.0
+            side = 1
+    return lo

@@ -1,0 +1,100 @@
+"""Reduce a ``StepSpend`` to the few numbers the accountants need (and validate it).
+
+A step is Poisson(q) subsampling of the adaptive composition of its parts. For accounting, every part maps to a
+worst-case (dominating) pair or an RDP curve:
+
+- all ``GaussianSpend`` parts together are one Gaussian with noise multiplier ``(sum sigma_i^-2)^(-1/2)``
+  (``noise_multiplier`` is already relative to ``sensitivity``, so ``sensitivity`` is not used);
+- an ``ExponentialSpend`` is ``picks`` mechanisms each ``epsilon``-bounded-range (``bounded_range=True``) or
+  ``epsilon``-DP (pure, ``bounded_range=False``);
+- a ``SparseVectorSpend`` is ``cutoff`` pure ``epsilon``-DP segments plus ``cutoff`` pure ``epsilon_release``-DP
+  Laplace releases;
+- a ``FreeSpend`` costs nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from widedp.errors import ConfigError
+from widedp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, StepSpend
+
+
+@dataclass(frozen=True)
+class Costs:
+    """A step in accounting terms.
+
+    Attributes:
+        q: Poisson sampling rate in (0, 1].
+        sigma: effective Gaussian noise multiplier, or None when the step adds no Gaussian noise.
+        bounded_range: ((epsilon, count), ...): ``count`` mechanisms each epsilon-bounded-range.
+        pure: ((epsilon, count), ...): ``count`` mechanisms each pure epsilon-DP.
+    """
+
+    q: float
+    sigma: float | None
+    bounded_range: tuple[tuple[float, int], ...] = ()
+    pure: tuple[tuple[float, int], ...] = ()
+
+    @property
+    def has_selection(self) -> bool:
+        return bool(self.bounded_range or self.pure)
+
+    @property
+    def is_free(self) -> bool:
+        return self.sigma is None and not self.has_selection
+
+    def noise_only(self) -> Costs:
+        return Costs(self.q, self.sigma)
+
+    def selection_only(self) -> Costs:
+        return Costs(self.q, None, self.bounded_range, self.pure)
+
+
+def _check_eps(name: str, eps: float) -> None:
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise ConfigError(f"{name}: must be a finite number >= 0, got {eps!r}")
+
+
+def _check_count(name: str, n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"{name}: must be an integer >= 0, got {n!r}")
+
+
+def costs_of(step: StepSpend) -> Costs:
+    """Validate ``step`` and reduce it to ``Costs`` (equal steps give equal, hashable ``Costs``)."""
+    if not isinstance(step, StepSpend):
+        raise ConfigError(f"accounting: expected a StepSpend, got {type(step).__name__}")
+    q = step.sampling_rate
+    if not (isinstance(q, (int, float)) and 0 < q <= 1):
+        raise ConfigError(f"sampling_rate: must be in (0, 1], got {q!r}")
+    inv_var = 0.0
+    br: dict[float, int] = {}
+    pure: dict[float, int] = {}
+    for part in step.parts:
+        if isinstance(part, GaussianSpend):
+            s = part.noise_multiplier
+            if not (isinstance(s, (int, float)) and s > 0):
+                raise ConfigError(f"noise_multiplier: must be > 0, got {s!r}")
+            if math.isfinite(s):
+                inv_var += 1.0 / float(s) ** 2
+        elif isinstance(part, ExponentialSpend):
+            _check_eps("exponential epsilon", part.epsilon)
+            _check_count("exponential picks", part.picks)
+            target = br if part.bounded_range else pure
+            if part.epsilon > 0 and part.picks > 0:
+                target[float(part.epsilon)] = target.get(float(part.epsilon), 0) + part.picks
+        elif isinstance(part, SparseVectorSpend):
+            _check_eps("sparse_vector epsilon", part.epsilon)
+            _check_eps("sparse_vector epsilon_release", part.epsilon_release)
+            _check_count("sparse_vector cutoff", part.cutoff)
+            for eps in (part.epsilon, part.epsilon_release):
+                if eps > 0 and part.cutoff > 0:
+                    pure[float(eps)] = pure.get(float(eps), 0) + part.cutoff
+        elif isinstance(part, FreeSpend):
+            continue
+        else:
+            raise ConfigError(f"accounting: unknown spend record {part!r}")
+    sigma = inv_var**-0.5 if inv_var > 0 else None
+    return Costs(float(q), sigma, tuple(sorted(br.items())), tuple(sorted(pure.items())))
