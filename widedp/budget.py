@@ -92,9 +92,9 @@ def calibrated(cfg: Config, *, num_rows: int, n: int) -> DPConfig:
 
 
 def total_steps(cfg: Config, n: int) -> int:
-    if cfg.dp is None:
-        return cfg.train.epochs * -(-n // cfg.train.batch_size)
-    t = cfg.train.epochs * steps_per_epoch(cfg.train.batch_size, n)
+    """Steps of the whole run: epochs x steps per epoch (n/b Poisson steps with DP), capped by train.max_steps."""
+    per_epoch = steps_per_epoch(cfg.train.batch_size, n) if cfg.dp is not None else -(-n // cfg.train.batch_size)
+    t = cfg.train.epochs * per_epoch
     return min(t, cfg.train.max_steps) if cfg.train.max_steps else t
 
 

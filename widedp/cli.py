@@ -4,6 +4,9 @@
     widedp train --resume DIR                                  continue a run after a crash or kill -9
     widedp epsilon CONFIG [--set ...]                          the privacy a config would spend, as JSON
     widedp export RUN_DIR --format word2vec [--out FILE]       vectors for gensim
+    widedp canary CONFIG [CONFIG ...] --nc 3 9 15 --out DIR    secret-sharer canaries: train, then evaluate
+    widedp canary --runs RUN_DIR [RUN_DIR ...] --out DIR       evaluate runs trained with canaries
+    widedp compare SWEEP.yaml --out DIR [--set key=value ...]  configs x seeds -> curves.png, results.md/.json
 
 Bad input (config keys, values, files) gives one line on stderr and exit code 2.
 """
@@ -36,7 +39,34 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("run_dir")
     x.add_argument("--format", choices=["word2vec"], default="word2vec")
     x.add_argument("--out", help="output file (default RUN_DIR/vectors.txt)")
+    c = sub.add_parser("compare", help="run a sweep of configs x seeds; write curves.png, results.md, results.json")
+    c.add_argument("sweep", help="sweep YAML ({runs: [{name, config, set, seeds}], panels})")
+    c.add_argument("--out", help="output directory (default runs/<sweep name>)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key in every run (applied after the sweep's own overrides)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _canary_parser(sub)
     return p
+
+
+def _canary_parser(sub: argparse._SubParsersAction) -> None:
+    k = sub.add_parser("canary", help="secret-sharer canary evaluation (train with canaries, rank, chi2, exposure)")
+    k.add_argument("configs", nargs="*", metavar="CONFIG", help="training configs; one run per config and n_c")
+    k.add_argument("--runs", nargs="+", metavar="RUN_DIR", help="evaluate these runs (trained with canaries) instead")
+    k.add_argument("--nc", nargs="+", type=int, default=[3, 9, 15], help="insertions per canary (default 3 9 15)")
+    k.add_argument("--out", default="runs/canary", help="output directory (default runs/canary)")
+    k.add_argument("--num-canaries", type=int, help="canaries (and as many controls); default 1000 when training, "
+                   "all saved ones with --runs")
+    k.add_argument("--num-candidates", type=int, default=10_000, help="random phrases per rank (default 10000)")
+    k.add_argument("--bins", type=int, default=20, help="rank-histogram bins of the chi2 test (default 20)")
+    k.add_argument("--seed", type=int, default=0, help="seeds the canaries, their positions and the candidates")
+    k.add_argument("--method", choices=["auto", "factorized", "log_prob"], default="auto",
+                   help="rank computation (auto: closed form for the CBOW)")
+    k.add_argument("--device", help="evaluation device (default: the run's train.device)")
+    k.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of every CONFIG (repeatable)")
+    k.add_argument("--no-plot", action="store_true", help="no canary_ranks.png")
+    k.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +116,52 @@ def _run(args: argparse.Namespace) -> int:
         out = Path(args.out) if args.out else run_dir / "vectors.txt"
         print(export_word2vec(run_dir, out))
         return 0
+    if args.cmd == "canary":
+        return _canary(args)
+    if args.cmd == "compare":
+        from widedp.compare import compare
+        from widedp.train import default_out
+
+        out = Path(args.out) if args.out else default_out(args.sweep)
+        progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
+        compare(args.sweep, out, overrides=args.overrides, progress=progress)
+        print((out / "results.md").read_text(), end="")
+        return 0
     raise AssertionError(args.cmd)  # pragma: no cover
+
+
+def _canary(args: argparse.Namespace) -> int:
+    from widedp.eval import canary_runs as cr
+
+    if bool(args.runs) == bool(args.configs):
+        raise ConfigError("canary: give CONFIG files to train, or --runs RUN_DIR ... to evaluate (not both)")
+    num = args.num_canaries if args.num_canaries is not None else (1000 if args.configs else None)
+    cr.check_args(ncs=args.nc, num_canaries=1 if num is None else num, num_candidates=args.num_candidates,
+                  bins=args.bins)
+    out = Path(args.out)
+    if args.configs:
+        from widedp.config import load_config
+
+        cfgs = [(Path(p).stem.removeprefix("canary_"), load_config(p, args.overrides)) for p in args.configs]
+        for _, cfg in cfgs:
+            cr.check_vocab(cfg.data.vocab_size)
+        progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
+        dirs = []
+        for label, cfg in cfgs:
+            for nc in args.nc:
+                print(f"widedp canary: training {label} with n_c={nc} into {out / label / f'nc{nc}'}", file=sys.stderr)
+                dirs.append(cr.train_canary_run(cfg, out / label / f"nc{nc}", label=label, n_c=nc, num_canaries=num,
+                                                seed=args.seed, progress=progress))
+    else:
+        dirs = [Path(d) for d in args.runs]
+    runs = [cr.load_canary_run(d, device=args.device) for d in dirs]  # all errors before the first evaluation
+    results = [cr.evaluate_run(r, num_candidates=args.num_candidates, bins=args.bins, seed=args.seed,
+                               num_canaries=num, method=args.method) for r in runs]
+    report = cr.write_report(results, out, num_candidates=args.num_candidates, bins=args.bins, seed=args.seed,
+                             plot=not args.no_plot)
+    print(cr.format_table(report))
+    print(f"widedp canary: wrote {out / cr.REPORT_FILE}" + ("" if args.no_plot else f" and {out / cr.PLOT_FILE}"))
+    return 0
 
 
 if __name__ == "__main__":

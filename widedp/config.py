@@ -117,7 +117,7 @@ class ModelConfig:
         dim: embedding size D.
         tied: one table for context and output (the paper's V x D parameters) or two.
         sparse: sparse gradients from the EmbeddingBag / Embedding (non-private SparseAdam needs it).
-        init_scale: input rows ~ U(-init_scale, init_scale); output rows too when tied, zeros otherwise.
+        init_scale: input rows ~ U(-init_scale/D, init_scale/D) (0.5: word2vec's init); untied output rows are zeros.
     """
 
     kind: Literal["cbow"] = "cbow"

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from widedp import accounting, budget
 from widedp.checkpoint import load_checkpoint, save_checkpoint, write_json
 from widedp.config import Config, config_from_dict
-from widedp.data_prep.cbow import Split, prepare_cbow
+from widedp.data_prep.cbow import CBOWData, Split, prepare_cbow
 from widedp.errors import ConfigError
 from widedp.models.cbow import CBOW, CBOWBatch
 from widedp.optim import make_row_optimizer
@@ -77,8 +77,12 @@ def evaluate(model: CBOW, split: SplitTensors, *, batch_size: int, max_samples: 
     return float(total) / n
 
 
-def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Train ``cfg`` into run directory ``out``; returns the summary dict (also written to summary.json)."""
+def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True, data: CBOWData | None = None
+          ) -> dict[str, Any]:
+    """Train ``cfg`` into run directory ``out``; returns the summary dict (also written to summary.json).
+
+    ``data``: already prepared samples (e.g. with canaries inserted); default ``prepare_cbow(cfg.data)``.
+    """
     t_setup = time.perf_counter()
     tc = cfg.train
     if tc.threads:
@@ -90,7 +94,11 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
     if ckpt is not None and ckpt["config_hash"] != cfg.hash():
         raise ConfigError(f"{out}: checkpoint was written by a different config (hash {ckpt['config_hash']})")
 
-    data = prepare_cbow(cfg.data)
+    data = data if data is not None else prepare_cbow(cfg.data)
+    if cfg.dp is not None and cfg.dp.engine == "opacus":
+        from widedp.opacus_runner import train_opacus
+
+        return train_opacus(cfg, out, data=data, resume=resume, progress=progress)
     splits = {k: SplitTensors.of(getattr(data, k), device) for k in ("train", "valid", "test")}
     train_split, n = splits["train"], len(splits["train"])
     (out / "vocab.json").write_text(json.dumps(data.vocab))
@@ -174,7 +182,9 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
                               noise_multiplier=dp.noise_multiplier, selector=selector,
                               ctx=SelectionContext(epoch=epoch, num_epochs=tc.epochs), generator=noise_gen)
                 optimizer.step(res.grad)
-                stats_acc += res.stats.as_tensor()
+                st = res.stats
+                stats_acc += torch.stack([st.touched_share.new_tensor(float(st.rows_selected)), st.touched_share,
+                                          st.clipped1, st.clipped2.to(st.clipped1.dtype), st.noise_norm])
             ledger.add(res.spend)
             loss_acc += loss.sum()
         else:

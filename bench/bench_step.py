@@ -1,0 +1,235 @@
+"""DP-sparse step cost vs non-private training, measured in the same run (a benchmark, not a test).
+
+    .venv/bin/python bench/bench_step.py                 # both parts, JSON to bench/out/bench_step.json
+    .venv/bin/python bench/bench_step.py --part paper    # 1. paper preset (V=1K, D=100, b=20): samples/s
+    .venv/bin/python bench/bench_step.py --part vocab --vocab 1e4 1e5 1e6 1e7   # 2. step time + peak RSS vs V
+
+Part 1 runs the training inner loop (sampling, per-sample row grads, DP step, optimizer, ledger) on the Brown
+paper-preset data; ratios are against non-private training of the same model with dense Adam and with SparseAdam.
+Part 2 runs each (V, method) in its own subprocess (peak RSS = that process's ru_maxrss) on synthetic Zipf batches
+(b=1024 pairs, 8 negatives, D=128, k=1024 rows), against EmbeddingBag(sparse) + SparseAdam.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "out"
+
+
+def _median_time(fn, *, steps: int, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the mean seconds per call over ``steps`` calls (after a warm-up)."""
+    for _ in range(min(steps, 50)):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        times.append((time.perf_counter() - t0) / steps)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------- part 1: paper preset
+
+
+def paper_preset(steps: int) -> dict:
+    from widedp import accounting
+    from widedp.config import DPConfig, config_from_dict
+    from widedp.data_prep.cbow import prepare_cbow
+    from widedp.models.cbow import CBOW
+    from widedp.optim import make_row_optimizer
+    from widedp.sampling import PoissonSampler, ShuffledBatches
+    from widedp.selection import SelectionContext, make_selector
+    from widedp.step import dp_step
+    from widedp.train import SplitTensors
+
+    cfg = config_from_dict({"data": {"preset": "paper"}})
+    data = prepare_cbow(cfg.data)
+    split = SplitTensors.of(data.train, torch.device("cpu"))
+    n, b, V, D = len(split), 20, len(data.vocab), 100
+    results: dict = {"n_train": n, "batch_size": b, "vocab": V, "dim": D, "steps_per_measure": steps}
+
+    def nonprivate(sparse: bool) -> float:
+        model = CBOW(V, D, sparse=sparse, generator=torch.Generator().manual_seed(0))
+        opt = (torch.optim.SparseAdam(list(model.parameters()), lr=1e-3) if sparse
+               else torch.optim.Adam(model.parameters(), lr=1e-3))
+        sampler = ShuffledBatches(n, batch_size=b, seed=0)
+        state = {"t": 0}
+
+        def one() -> None:
+            batch = split.batch(sampler.batch(state["t"]))
+            state["t"] += 1
+            opt.zero_grad(set_to_none=True)
+            model(batch).mean().backward()
+            opt.step()
+
+        return _median_time(one, steps=steps)
+
+    results["nonprivate_dense_adam_s"] = nonprivate(False)
+    results["nonprivate_sparse_adam_s"] = nonprivate(True)
+
+    selections = {
+        "exponential": {"name": "exponential", "k": 10, "epsilon": 1.0, "score_clip": 0.1},
+        "sparse_vector": {"name": "sparse_vector", "epsilon": 1.0, "cutoff": 10, "threshold": 0.01},
+        "uniform": {"name": "uniform", "k": 10},
+        "random_sparsification": {"name": "random_sparsification", "final_rate": 0.9},
+        "all": {"name": "all"},
+    }
+    for name, sel in selections.items():
+        for opt_name in ("lazy_adam", "adam", "sgd") if name == "exponential" else ("lazy_adam",):
+            dp: DPConfig = config_from_dict({"dp": {"selection": sel}}).dp  # type: ignore[assignment]
+            model = CBOW(V, D, sparse=True, generator=torch.Generator().manual_seed(0))
+            selector = make_selector(dp.selection, num_rows=model.num_rows)
+            opt = make_row_optimizer(opt_name, model.row_tables(), lr=1e-3)
+            gen = torch.Generator().manual_seed(1)
+            sampler = PoissonSampler(n, sampling_rate=b / n, seed=0)
+            ledger = accounting.Ledger()
+            ctx = SelectionContext(epoch=1, num_epochs=20)
+            state = {"t": 0}
+
+            def one() -> None:
+                batch = split.batch(sampler.batch(state["t"]))  # noqa: B023
+                state["t"] += 1  # noqa: B023
+                with torch.inference_mode():
+                    _, g = model.per_sample_row_grads(batch)  # noqa: B023
+                    res = dp_step(g, batch_size=b, sampling_rate=b / n, clip1=15.0, clip2=1.0,
+                                  noise_multiplier=0.5, selector=selector, ctx=ctx, generator=gen)  # noqa: B023
+                    opt.step(res.grad)  # noqa: B023
+                ledger.add(res.spend)  # noqa: B023
+
+            key = f"dp_{name}_{opt_name}_s"
+            results[key] = _median_time(one, steps=steps)
+    base = results["nonprivate_dense_adam_s"]
+    results["samples_per_s"] = {k[:-2]: b / v for k, v in results.items() if k.endswith("_s")}
+    results["ratio_vs_nonprivate_dense_adam"] = {k[:-2]: base / v for k, v in results.items() if k.endswith("_s")}
+    return results
+
+
+# -------------------------------------------------------------------------------------- part 2: step cost vs V
+
+
+def one_vocab_case(vocab: int, method: str, dim: int, batch: int, k: int, steps: int) -> dict:
+    """Runs inside a subprocess: step time and peak RSS of one (V, method)."""
+    from widedp.config import ExponentialSelectionConfig
+    from widedp.models.cbow import CBOW, CBOWBatch
+    from widedp.optim import make_row_optimizer
+    from widedp.selection import SelectionContext, make_selector
+    from widedp.step import dp_step
+
+    g = torch.Generator().manual_seed(0)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model = CBOW(vocab, dim, sparse=True, generator=g)
+    table_bytes = vocab * dim * 4
+    # Zipf-like ids: heavy head, long tail, like words / items.
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
+    probs = (1 / ranks) / (1 / ranks).sum()
+
+    def draw(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.multinomial(probs, int(torch.tensor(shape).prod()), replacement=True, generator=g).view(shape)
+
+    batches = [CBOWBatch(draw((batch,)), draw((batch, 1)), draw((batch, 8))) for _ in range(8)]
+    state = {"t": 0}
+    if method == "nonprivate_sparse_adam":
+        opt = torch.optim.SparseAdam(list(model.parameters()), lr=1e-3)
+        state_bytes = 2 * table_bytes
+
+        def one() -> None:
+            bt = batches[state["t"] % 8]
+            state["t"] += 1
+            opt.zero_grad(set_to_none=True)
+            model(bt).mean().backward()
+            opt.step()
+    else:
+        opt_name = {"dp_sparse_lazy_adam": "lazy_adam", "dp_sparse_sgd": "sgd"}[method]
+        ropt = make_row_optimizer(opt_name, model.row_tables(), lr=1e-3)
+        state_bytes = (2 * table_bytes + vocab * 8) if opt_name == "lazy_adam" else 0
+        selector = make_selector(ExponentialSelectionConfig(k=k, epsilon=1.0, score_clip=0.1), num_rows=model.num_rows)
+        gen = torch.Generator().manual_seed(1)
+        ctx = SelectionContext(epoch=0, num_epochs=1)
+
+        def one() -> None:
+            bt = batches[state["t"] % 8]
+            state["t"] += 1
+            with torch.inference_mode():
+                _, gr = model.per_sample_row_grads(bt)
+                res = dp_step(gr, batch_size=batch, sampling_rate=0.01, clip1=1.0, clip2=1.0,
+                              noise_multiplier=1.0, selector=selector, ctx=ctx, generator=gen)
+                ropt.step(res.grad)
+
+    sec = _median_time(one, steps=steps, repeats=3)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"vocab": vocab, "method": method, "dim": dim, "batch": batch, "k": k, "step_ms": sec * 1e3,
+            "peak_rss_gb": peak / 2**30, "baseline_rss_gb": rss0 * 1024 / 2**30,
+            "tables_plus_state_gb": (table_bytes + state_bytes) / 2**30,
+            "overhead_gb": (peak - table_bytes - state_bytes) / 2**30}
+
+
+def vocab_sweep(vocabs: list[int], dim: int, batch: int, k: int, steps: int) -> list[dict]:
+    rows = []
+    for vocab in vocabs:
+        for method in ("nonprivate_sparse_adam", "dp_sparse_lazy_adam", "dp_sparse_sgd"):
+            cmd = [sys.executable, __file__, "--one", str(vocab), method, str(dim), str(batch), str(k), str(steps)]
+            r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if r.returncode != 0:
+                rows.append({"vocab": vocab, "method": method, "error": r.stderr.strip().splitlines()[-1:]})
+            else:
+                rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=["paper", "vocab", "both"], default="both")
+    ap.add_argument("--steps", type=int, default=400, help="steps per timing (part 1)")
+    ap.add_argument("--vocab", type=float, nargs="+", default=[1e4, 1e5, 1e6, 1e7])
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--k", type=int, default=1024)
+    ap.add_argument("--vocab-steps", type=int, default=20)
+    ap.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.one:
+        v, m, d, b, k, s = args.one
+        print(json.dumps(one_vocab_case(int(v), m, int(d), int(b), int(k), int(s))))
+        return
+    OUT.mkdir(parents=True, exist_ok=True)
+    out: dict = {"torch": torch.__version__, "threads": 1}
+    if args.part in ("paper", "both"):
+        out["paper"] = paper_preset(args.steps)
+        print(json.dumps(out["paper"], indent=2), flush=True)
+    if args.part in ("vocab", "both"):
+        rows = vocab_sweep([int(v) for v in args.vocab], args.dim, args.batch, args.k, args.vocab_steps)
+        out["vocab"] = rows
+        by = {(r["vocab"], r["method"]): r for r in rows if "step_ms" in r}
+        ratios = {}
+        for v in {r["vocab"] for r in rows}:
+            base = by.get((v, "nonprivate_sparse_adam"))
+            dp = by.get((v, "dp_sparse_lazy_adam"))
+            if base and dp:
+                ratios[str(v)] = dp["step_ms"] / base["step_ms"]
+        out["dp_over_nonprivate_step_time"] = ratios
+        vs = sorted(v for v in {r["vocab"] for r in rows} if (v, "dp_sparse_lazy_adam") in by)
+        if len(vs) >= 2:
+            out["dp_step_time_largest_over_smallest_V"] = (by[(vs[-1], "dp_sparse_lazy_adam")]["step_ms"]
+                                                           / by[(vs[0], "dp_sparse_lazy_adam")]["step_ms"])
+        print(json.dumps({k: out[k] for k in out if k.startswith("dp_")}, indent=2))
+    (OUT / "bench_step.json").write_text(json.dumps(out, indent=2))
+    print(f"wrote {OUT / 'bench_step.json'}")
+
+
+if __name__ == "__main__":
+    main()
