@@ -138,8 +138,19 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
     """``widedp epsilon``: what the config would spend over its whole run (JSON-able; no training)."""
     if cfg.dp is None:
         raise ConfigError("epsilon: the config has no dp: section (non-private training spends no budget)")
-    n = train_size(cfg)
-    num_rows = cfg.data.vocab_size * (1 if cfg.model.tied else 2)
+    if cfg.task == "cbow":
+        n = train_size(cfg)
+        num_rows = cfg.data.vocab_size * (1 if cfg.model.tied else 2)
+    else:  # other tasks: build the data and the model once to learn n and the row space
+        import tempfile
+
+        import torch
+
+        from widedp.train import TASK_BUILDERS, _resolve
+
+        with tempfile.TemporaryDirectory() as tmp:
+            splits, model = _resolve(TASK_BUILDERS[cfg.task])(cfg, Path(tmp), device=torch.device("cpu"))
+        n, num_rows = len(splits["train"]), model.num_rows
     dp = calibrated(cfg, num_rows=num_rows, n=n)
     step = step_spend(dp, num_rows=num_rows, batch_size=cfg.train.batch_size, n=n)
     steps = total_steps(cfg, n)

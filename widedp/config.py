@@ -351,14 +351,22 @@ class DPConfig:
 
 @dataclass(frozen=True)
 class Config:
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    """A whole config. ``task`` picks the data/model sections' types (and, for some tasks, an ``algorithm``
+    section): ``cbow`` (this module), or a task module named in ``TASK_MODULES``."""
+
+    data: Any = field(default_factory=DataConfig)
+    model: Any = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dp: DPConfig | None = None
+    task: str = "cbow"
+    algorithm: Any = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/YAML-able mapping (tuples as lists) that ``config_from_dict`` reads back."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        d = json.loads(json.dumps(dataclasses.asdict(self)))
+        if d["algorithm"] is None:
+            del d["algorithm"]
+        return d
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
@@ -399,14 +407,38 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
         raise ConfigError(f"--set {key}: cannot parse value {value!r}") from None
 
 
+#: Tasks other than CBOW: module path -> a module exposing DATA_CONFIG, MODEL_CONFIG (dataclasses), DATA_PRESETS
+#: (dict, may be empty; applied when data.preset names one) and optionally ALGORITHM_CONFIG (an ``algorithm:``
+#: section). Imported only when a config names the task.
+TASK_MODULES: dict[str, str] = {
+    "recsys": "widedp.recsys_config",
+    "glm": "widedp.glm_config",
+}
+
+
+def _task_types(task: Any) -> tuple[type, type, dict[str, dict[str, Any]], type | None]:
+    if task == "cbow":
+        return DataConfig, ModelConfig, DATA_PRESETS, None
+    if task not in TASK_MODULES:
+        raise ConfigError(f"task: expected one of cbow, {', '.join(TASK_MODULES)}, got {task!r}")
+    import importlib
+
+    mod = importlib.import_module(TASK_MODULES[task])
+    return mod.DATA_CONFIG, mod.MODEL_CONFIG, mod.DATA_PRESETS, getattr(mod, "ALGORITHM_CONFIG", None)
+
+
 def config_from_dict(raw: dict[str, Any]) -> Config:
-    _no_unknown("", raw, {"data", "model", "train", "dp"})
+    task = raw.get("task", "cbow")
+    data_cls, model_cls, presets, algo_cls = _task_types(task)
+    sections = {"task", "data", "model", "train", "dp"} | ({"algorithm"} if algo_cls else set())
+    _no_unknown("", raw, sections)
     data_raw = dict(raw.get("data") or {})
     _expect_mapping("data", data_raw)
-    preset = data_raw.get("preset", "paper")
-    if preset not in DATA_PRESETS:
-        raise ConfigError(f"data.preset: unknown preset {preset!r} (expected one of {', '.join(DATA_PRESETS)})")
-    data_raw = {**DATA_PRESETS[preset], **data_raw}
+    if presets:
+        preset = data_raw.get("preset", next(iter(presets)))
+        if preset not in presets:
+            raise ConfigError(f"data.preset: unknown preset {preset!r} (expected one of {', '.join(presets)})")
+        data_raw = {**presets[preset], **data_raw}
     dp_raw = raw.get("dp")
     dp = None
     if dp_raw is not None:
@@ -420,10 +452,12 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         selection = build("dp.selection", SELECTIONS[name], sel_raw)
         dp = build("dp", DPConfig, dp_raw, selection=selection)
     return Config(
-        data=build("data", DataConfig, data_raw),
-        model=build("model", ModelConfig, raw.get("model") or {}),
+        data=build("data", data_cls, data_raw),
+        model=build("model", model_cls, raw.get("model") or {}),
         train=build("train", TrainConfig, raw.get("train") or {}),
         dp=dp,
+        task=task,
+        algorithm=build("algorithm", algo_cls, raw.get("algorithm") or {}) if algo_cls else None,
     )
 
 

@@ -56,6 +56,40 @@ class SplitTensors:
                          self.negatives.index_select(0, idx))
 
 
+def build_cbow(cfg: Config, out: Path, *, device: torch.device, data: CBOWData | None = None
+               ) -> tuple[dict[str, SplitTensors], CBOW]:
+    """CBOW task: prepared splits (as tensors on ``device``) and the model; writes ``out/vocab.json``."""
+    data = data if data is not None else prepare_cbow(cfg.data)
+    splits = {k: SplitTensors.of(getattr(data, k), device) for k in ("train", "valid", "test")}
+    (out / "vocab.json").write_text(json.dumps(data.vocab))
+    init_gen = torch.Generator().manual_seed(cfg.train.seed)
+    model = CBOW(len(data.vocab), cfg.model.dim, tied=cfg.model.tied, sparse=cfg.model.sparse,
+                 init_scale=cfg.model.init_scale, generator=init_gen).to(device)
+    return splits, model
+
+
+#: task -> builder ``(cfg, out, *, device, data) -> (splits, model)``. A split has ``len()`` and ``batch(idx)``;
+#: a model has ``forward(batch) -> [B] loss``, ``per_sample_row_grads(batch) -> (loss, PerSampleRows)``,
+#: ``row_tables()`` and ``num_rows``: the one training loop and the one DP step serve every such task.
+TASK_BUILDERS: dict[str, Any] = {
+    "cbow": build_cbow,
+    "recsys": "widedp.recsys_train:build_recsys",
+}
+#: tasks with their own algorithms (not the DP-sparse step): task -> ``train_fn(cfg, out, *, resume, progress)``.
+TASK_TRAINERS: dict[str, str] = {
+    "glm": "widedp.glm_train:train_glm",
+}
+
+
+def _resolve(ref: Any) -> Any:
+    if not isinstance(ref, str):
+        return ref
+    import importlib
+
+    mod, name = ref.split(":")
+    return getattr(importlib.import_module(mod), name)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,14 +99,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 @torch.inference_mode()
-def evaluate(model: CBOW, split: SplitTensors, *, batch_size: int, max_samples: int = 0) -> float:
+def evaluate(model: Any, split: Any, *, batch_size: int, max_samples: int = 0) -> float:
     """Mean per-sample loss over a split (or its first ``max_samples`` samples)."""
     n = len(split) if not max_samples else min(max_samples, len(split))
     if n == 0:
         return float("nan")
-    total = torch.zeros((), dtype=torch.float64, device=split.target.device)
+    total = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
     for start in range(0, n, batch_size):
-        idx = torch.arange(start, min(n, start + batch_size), device=split.target.device)
+        idx = torch.arange(start, min(n, start + batch_size), device=total.device)
         total += model(split.batch(idx)).double().sum()
     return float(total) / n
 
@@ -83,6 +117,8 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
 
     ``data``: already prepared samples (e.g. with canaries inserted); default ``prepare_cbow(cfg.data)``.
     """
+    if cfg.task in TASK_TRAINERS:
+        return _resolve(TASK_TRAINERS[cfg.task])(cfg, out, resume=resume, progress=progress)
     t_setup = time.perf_counter()
     tc = cfg.train
     if tc.threads:
@@ -94,19 +130,15 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
     if ckpt is not None and ckpt["config_hash"] != cfg.hash():
         raise ConfigError(f"{out}: checkpoint was written by a different config (hash {ckpt['config_hash']})")
 
-    data = data if data is not None else prepare_cbow(cfg.data)
-    if cfg.dp is not None and cfg.dp.engine == "opacus":
-        from widedp.opacus_runner import train_opacus
+    if cfg.task == "cbow":
+        data = data if data is not None else prepare_cbow(cfg.data)
+        if cfg.dp is not None and cfg.dp.engine == "opacus":
+            from widedp.opacus_runner import train_opacus
 
-        return train_opacus(cfg, out, data=data, resume=resume, progress=progress)
-    splits = {k: SplitTensors.of(getattr(data, k), device) for k in ("train", "valid", "test")}
+            return train_opacus(cfg, out, data=data, resume=resume, progress=progress)
+    splits, model = _resolve(TASK_BUILDERS[cfg.task])(cfg, out, device=device, data=data)
     train_split, n = splits["train"], len(splits["train"])
-    (out / "vocab.json").write_text(json.dumps(data.vocab))
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-    init_gen = torch.Generator().manual_seed(tc.seed)
-    model = CBOW(len(data.vocab), cfg.model.dim, tied=cfg.model.tied, sparse=cfg.model.sparse,
-                 init_scale=cfg.model.init_scale, generator=init_gen).to(device)
     b, dp = tc.batch_size, cfg.dp
     if dp is not None:
         dp = budget.calibrated(cfg, num_rows=model.num_rows, n=n)
@@ -234,7 +266,7 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
     return summary
 
 
-def _epoch_record(model: CBOW, splits: dict[str, SplitTensors], tc: Any, epoch: int, step: int, dp: Any,
+def _epoch_record(model: Any, splits: dict[str, Any], tc: Any, epoch: int, step: int, dp: Any,
                   ledger: accounting.Ledger) -> dict[str, Any]:
     model.eval()
     rec = {"epoch": epoch + 1, "step": step,
@@ -282,17 +314,17 @@ def _check_optimizer(cfg: Config) -> None:
         mode = "non-private" if cfg.dp is None else "DP"
         raise ConfigError(f"train.optimizer: {cfg.train.optimizer!r} is not available for {mode} training "
                           f"(expected one of {', '.join(allowed)})")
-    if cfg.dp is None and cfg.train.optimizer == "sparse_adam" and not cfg.model.sparse:
+    if cfg.dp is None and cfg.train.optimizer == "sparse_adam" and not getattr(cfg.model, "sparse", True):
         raise ConfigError("train.optimizer: sparse_adam needs model.sparse: true")
 
 
-def _torch_optimizer(cfg: Config, model: CBOW) -> torch.optim.Optimizer:
+def _torch_optimizer(cfg: Config, model: Any) -> torch.optim.Optimizer:
     tc = cfg.train
     if tc.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=tc.lr)
     if tc.optimizer == "sparse_adam":
         return torch.optim.SparseAdam(list(model.parameters()), lr=tc.lr, betas=tc.betas, eps=tc.eps)
-    if cfg.model.sparse:
+    if getattr(cfg.model, "sparse", False):
         raise ConfigError("train.optimizer: adam (dense) needs model.sparse: false; use sparse_adam for sparse "
                           "embeddings")
     return torch.optim.Adam(model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.eps)
