@@ -1,0 +1,1 @@
+"""DP convex optimisation algorithms (issue 8)."""
