@@ -111,9 +111,10 @@ def paper_preset(steps: int) -> dict:
 
             key = f"dp_{name}_{opt_name}_s"
             results[key] = _median_time(one, steps=steps)
-    base = results["nonprivate_dense_adam_s"]
-    results["samples_per_s"] = {k[:-2]: b / v for k, v in results.items() if k.endswith("_s")}
-    results["ratio_vs_nonprivate_dense_adam"] = {k[:-2]: base / v for k, v in results.items() if k.endswith("_s")}
+    times = {k[:-2]: v for k, v in results.items() if k.endswith("_s")}
+    base = times["nonprivate_dense_adam"]
+    results["samples_per_s"] = {k: b / v for k, v in times.items()}
+    results["ratio_vs_nonprivate_dense_adam"] = {k: base / v for k, v in times.items()}
     return results
 
 

@@ -139,4 +139,6 @@ def test_epsilon_command(capsys):
     for key in ("epsilon", "epsilon_rdp", "delta", "steps", "sampling_rate", "noise_multiplier", "adjacency",
                 "parts"):
         assert key in rep
-    assert rep["steps"] == 200_000 and rep["sampling_rate"] == pytest.approx(1e-4)
+    # 20 epochs of n/b = 200,000/1,000 Poisson steps; DP-SGD spends only the (subsampled) Gaussian
+    assert rep["steps"] == 4000 and rep["sampling_rate"] == pytest.approx(5e-3)
+    assert rep["parts"]["selection"]["pld"] == 0 and rep["epsilon"] == pytest.approx(rep["parts"]["noise"]["pld"])

@@ -175,7 +175,8 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
 
     def checkpoint() -> None:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                 "history": history, "elapsed": elapsed + time.perf_counter() - t0, "config_hash": cfg.hash()}
+                 "history": history, "elapsed": elapsed + time.perf_counter() - t0 - aside,
+                 "config_hash": cfg.hash()}
         if dp is not None:
             state["noise_gen"] = noise_gen.get_state()
             state["ledger"] = ledger.to_json()
@@ -193,7 +194,7 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
     loss_acc = torch.zeros((), device=device)
     stats_acc = torch.zeros(5, device=device)
     acc_steps, acc_samples, t0 = 0, torch.zeros((), device=device, dtype=torch.long), time.perf_counter()
-    t_window = t0
+    t_window, aside = t0, 0.0
     while step < total:
         epoch = step // per_epoch
         if budget_cap is not None and ledger.steps >= budget_cap:
@@ -244,13 +245,16 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
             stats_acc.zero_()
             acc_samples.zero_()
             acc_steps, t_window = 0, time.perf_counter()
-        if end_of_epoch:
-            history.append(_epoch_record(model, splits, tc, epoch, step, dp, ledger))
-            log({"kind": "epoch", **history[-1]})
         if end_of_epoch or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
+            t_aside = time.perf_counter()  # evaluation and checkpoints do not count as training time
+            if end_of_epoch:
+                history.append(_epoch_record(model, splits, tc, epoch, step, dp, ledger))
+                log({"kind": "epoch", **history[-1]})
             checkpoint()
+            aside += time.perf_counter() - t_aside
+            t_window += time.perf_counter() - t_aside
     bar.close()
-    wall = elapsed + time.perf_counter() - t0
+    wall = elapsed + time.perf_counter() - t0 - aside  # training time: without evaluation and checkpoints
     if acc_steps or stopped_by_budget or step == total:
         if not history or history[-1]["step"] != step:
             history.append(_epoch_record(model, splits, tc, step // per_epoch, step, dp, ledger))
@@ -258,6 +262,7 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
         checkpoint()
     metrics.close()
     summary = _summary(cfg, dp, history, step, per_epoch, wall, setup_s, n, ledger, stopped_by_budget, budget_cap)
+    summary["wall_s"] = wall + aside + setup_s  # training + evaluation + checkpoints + setup
     write_json(out / "summary.json", summary)
     plot_losses(history, out / "loss.png", title=_title(cfg, dp))
     if stopped_by_budget:
@@ -289,7 +294,7 @@ def _summary(cfg: Config, dp: Any, history: list[dict[str, Any]], step: int, per
     out: dict[str, Any] = {
         "train_loss": last.get("train_loss"), "valid_loss": last.get("valid_loss"),
         "test_loss": last.get("test_loss"), "steps": step, "epochs": step / per_epoch,
-        "samples_per_s": samples / wall if wall > 0 else None, "wall_s": wall, "setup_s": setup_s, "n_train": n,
+        "samples_per_s": samples / wall if wall > 0 else None, "train_s": wall, "setup_s": setup_s, "n_train": n,
         "config_hash": cfg.hash(), "private": dp is not None, "initial_valid_loss": history[0]["valid_loss"],
     }
     if dp is not None:
