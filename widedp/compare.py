@@ -173,10 +173,13 @@ def run_sweep(sweep: Sweep, out: Path, *, progress: bool = False) -> None:
             if (d / "summary.json").is_file():
                 continue
             cfg = run.config(seed)
-            if cfg.data not in data_cache:
-                data_cache = {cfg.data: prepare_cbow(cfg.data)}  # keep one prepared corpus in memory at a time
+            data = None
+            if cfg.task == "cbow":  # other tasks prepare their own data inside train()
+                if cfg.data not in data_cache:
+                    data_cache = {cfg.data: prepare_cbow(cfg.data)}  # keep one prepared corpus in memory at a time
+                data = data_cache[cfg.data]
             print(f"widedp compare: {run.name} seed {seed} -> {d}", flush=True)
-            train(cfg, d, resume=(d / "checkpoint.pt").is_file(), progress=progress, data=data_cache[cfg.data])
+            train(cfg, d, resume=(d / "checkpoint.pt").is_file(), progress=progress, data=data)
 
 
 def history_of(d: Path) -> list[dict[str, Any]]:
@@ -209,7 +212,8 @@ def summarize(sweep: Sweep, out: Path) -> list[dict[str, Any]]:
             "noise_multiplier": _stats([d.get("noise_multiplier") for d in dps]),
             "steps": _stats([s.get("steps") for s in sums]),
         }
-        for k in ("train_loss", "valid_loss", "test_loss", "initial_valid_loss", "wall_s", "samples_per_s"):
+        for k in ("train_loss", "valid_loss", "test_loss", "initial_valid_loss", "wall_s", "samples_per_s",
+                  "test_accuracy"):
             row[k] = _stats([s.get(k) for s in sums])
         row["epsilon"] = _stats([d.get("epsilon") for d in dps]) if row["private"] else None
         row["epsilon_rdp"] = _stats([d.get("epsilon_rdp") for d in dps]) if row["private"] else None
@@ -228,13 +232,13 @@ def _fmt(st: dict[str, float | None] | None, digits: int = 4, pm: bool = True) -
 def results_markdown(rows: list[dict[str, Any]], title: str) -> str:
     lines = [f"# {title}", "", "Final losses: mean ± std over seeds. ε: the run's accountant (summary dp.epsilon); "
              "ε RDP: the RDP accountant. σ: the (calibrated) noise multiplier.", "",
-             "| run | seeds | train loss | valid loss | test loss | ε | ε RDP | σ | steps | wall s | samples/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | seeds | train loss | valid loss | test loss | test acc. | ε | ε RDP | σ | steps | wall s | samples/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f" ({r['accountant']})" if r["private"] and r["accountant"] else ""
         lines.append(
             f"| {r['name']} | {len(r['seeds'])} | {_fmt(r['train_loss'])} | {_fmt(r['valid_loss'])} | "
-            f"{_fmt(r['test_loss'])} | {_fmt(r['epsilon'], 3)}{acc if r['epsilon'] else ''} | "
+            f"{_fmt(r['test_loss'])} | {_fmt(r['test_accuracy'], 3)} | {_fmt(r['epsilon'], 3)}{acc if r['epsilon'] else ''} | "
             f"{_fmt(r['epsilon_rdp'], 3)} | {_fmt(r['noise_multiplier'], 4, pm=False) if r['private'] else '–'} | "
             f"{_fmt(r['steps'], 0, pm=False)} | {_fmt(r['wall_s'], 1, pm=False)} | "
             f"{_fmt(r['samples_per_s'], 0, pm=False)} |")
