@@ -232,13 +232,15 @@ def _fmt(st: dict[str, float | None] | None, digits: int = 4, pm: bool = True) -
 def results_markdown(rows: list[dict[str, Any]], title: str) -> str:
     lines = [f"# {title}", "", "Final losses: mean ± std over seeds. ε: the run's accountant (summary dp.epsilon); "
              "ε RDP: the RDP accountant. σ: the (calibrated) noise multiplier.", "",
-             "| run | seeds | train loss | valid loss | test loss | test acc. | ε | ε RDP | σ | steps | wall s | samples/s |",
+             "| run | seeds | train loss | valid loss | test loss | test acc. | ε | ε RDP | σ | steps | wall s "
+             "| samples/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f" ({r['accountant']})" if r["private"] and r["accountant"] else ""
         lines.append(
             f"| {r['name']} | {len(r['seeds'])} | {_fmt(r['train_loss'])} | {_fmt(r['valid_loss'])} | "
-            f"{_fmt(r['test_loss'])} | {_fmt(r['test_accuracy'], 3)} | {_fmt(r['epsilon'], 3)}{acc if r['epsilon'] else ''} | "
+            f"{_fmt(r['test_loss'])} | {_fmt(r['test_accuracy'], 3)} | "
+            f"{_fmt(r['epsilon'], 3)}{acc if r['epsilon'] else ''} | "
             f"{_fmt(r['epsilon_rdp'], 3)} | {_fmt(r['noise_multiplier'], 4, pm=False) if r['private'] else '–'} | "
             f"{_fmt(r['steps'], 0, pm=False)} | {_fmt(r['wall_s'], 1, pm=False)} | "
             f"{_fmt(r['samples_per_s'], 0, pm=False)} |")
