@@ -1,0 +1,33 @@
+"""Packaging layout: models/, data_prep/, eval/ are served only as widedp.models, widedp.data_prep, widedp.eval."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BARE = re.compile(r"^\s*(import|from)\s+(models|eval|data_prep)(\.|\s|$)", re.M)
+
+
+def test_no_bare_imports_of_served_packages():
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        if ".venv" in path.parts or "build" in path.parts:
+            continue
+        if BARE.search(path.read_text(encoding="utf-8")):
+            offenders.append(str(path.relative_to(ROOT)))
+    assert offenders == []
+
+
+def test_served_packages_resolve_inside_widedp():
+    for name, folder in (("widedp.models", "models"), ("widedp.data_prep", "data_prep"), ("widedp.eval", "eval")):
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and Path(spec.origin).parent == ROOT / folder
+
+
+def test_pyproject_lists_every_package():
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.search(r"^packages = \[(.*?)\]", text, re.M).group(1).replace('"', "").replace(" ", "").split(","))
+    found = {"widedp." + p.parent.relative_to(ROOT / "widedp").as_posix().replace("/", ".")
+             for p in (ROOT / "widedp").rglob("__init__.py") if p.parent != ROOT / "widedp"}
+    found |= {"widedp", "widedp.models", "widedp.data_prep", "widedp.eval"}
+    assert found <= listed, found - listed
