@@ -59,25 +59,39 @@ def dp_step(
     selector: Selector,
     ctx: SelectionContext,
     generator: torch.Generator,
+    always_rows: int | None = None,
 ) -> StepResult:
     """One DP step on a Poisson(q) batch of per-sample row gradients (B may be 0).
 
     clip each sample at S1 -> ĝ = (1/b) Σ_j (b the expected batch size) -> scores u_r = min(||ĝ_r||, S0) ->
     select rows M among ALL R rows (Δu = min(S0, S1/b)) -> Δ̂ = clip_S2(M ⊙ ĝ) -> + N(0, (σΔ₂)²) on every
     coordinate of every selected row, Δ₂ = min(S1/b, 2·S2).
+
+    ``always_rows`` A (default: ``g.always_rows`` when ``g`` carries one, e.g. a recommender's dense MLP stored as
+    rows, else 0): the last A rows [R − A, R) are selected every step besides the mechanism's picks, and the
+    mechanism ranges over [0, R − A) only. Their inclusion is data-independent, so it spends no selection budget;
+    they are still part of each sample's S1 clip, of Δ̂'s S2 clip and get the same N(0, (σΔ₂)²) noise, so Δ₂ and
+    the spend are unchanged. A = 0 is exactly the step without this option.
     """
+    n_always = getattr(g, "always_rows", 0) if always_rows is None else always_rows
     clipped, was_clipped = clip_per_sample(g, clip1=clip1)
     touched, ghat = aggregate(clipped, batch_size=batch_size)  # [U], [U, D]
+    sel_rows, sel_touched, sel_ghat = g.num_rows - n_always, touched, ghat
+    if n_always:
+        u = int(torch.searchsorted(touched, sel_rows))  # touched is sorted: the selectable ones come first
+        sel_touched, sel_ghat = touched[:u], ghat[:u]
 
     s0 = selector.score_clip
     if s0 is None:
         scores, score_sens = ghat.new_zeros(0), 0.0
     else:
-        scores = torch.linalg.vector_norm(ghat, dim=1).clamp_(max=s0)
+        scores = torch.linalg.vector_norm(sel_ghat, dim=1).clamp_(max=s0)
         score_sens = min(s0, clip1 / batch_size)
     selected, selection_spend = selector.select(
-        touched, scores, num_rows=g.num_rows, score_sensitivity=score_sens, ctx=ctx, generator=generator
+        sel_touched, scores, num_rows=sel_rows, score_sensitivity=score_sens, ctx=ctx, generator=generator
     )
+    if n_always:
+        selected = torch.cat([selected, torch.arange(sel_rows, g.num_rows, device=selected.device)])
 
     delta, hit = restrict(touched, ghat, selected)  # [k, D]; zeros on selected rows the batch did not touch
     delta, clipped2 = clip_l2(delta, clip=clip2)

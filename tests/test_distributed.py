@@ -1,0 +1,162 @@
+"""Two CPU processes (gloo) with row-sharded tables against the single-process model and DP step.
+
+- pooled embeddings, per-sample clipping (norms all_reduced across shards), S2 clip, selection and updates of a
+  data-independent selection match a single-process ``dp_step`` with the same seeds, over 3 SGD steps;
+- the sharded exponential mechanism (per-rank Gumbel keys + order statistics, local top-k, all_gather) has the
+  single-process Gumbel top-k law: chi^2 over all ordered outcomes, and a negative control (doubled logits) fails;
+- every selected row is noised once at std sigma·Δ₂ (a row noised by both ranks would show sqrt(2) times that);
+- the spend is the single-process StepSpend.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from scipy import stats
+
+WORLD = 2
+
+
+def _law(logits: np.ndarray, k: int) -> dict[tuple[int, ...], float]:
+    """Exact P(ordered picks) of k sequential exponential-mechanism picks with weights exp(logits)."""
+    w = np.exp(logits)
+    out = {}
+    for seq in itertools.permutations(range(len(w)), k):
+        p, left = 1.0, w.sum()
+        for r in seq:
+            p *= w[r] / left
+            left -= w[r]
+        out[seq] = p
+    return out
+
+
+def _chi2_p(counts: dict, law: dict, n: int) -> float:
+    obs = np.array([counts.get(s, 0) for s in law])
+    exp = np.array([law[s] * n for s in law])
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def _worker(rank: int, port: int) -> None:
+    torch.set_num_threads(1)
+    from widedp.config import AllRowsConfig, ExponentialSelectionConfig, UniformSelectionConfig
+    from widedp.data_prep.interactions import RecsysSplit, prepare_interactions
+    from widedp.distributed import (
+        RowShard,
+        ShardedRecsys,
+        apply_update,
+        distributed_dp_step,
+        init_process_group,
+        shard_of,
+        sharded_gumbel_topk,
+    )
+    from widedp.optim import make_row_optimizer
+    from widedp.recsys_config import RecsysDataConfig, RecsysModelConfig
+    from widedp.recsys_train import build_model
+    from widedp.selection import SelectionContext, make_selector
+    from widedp.step import dp_step
+
+    init_process_group(rank, WORLD, port=port, backend="gloo")
+    ctx = SelectionContext(epoch=0, num_epochs=1)
+    data = prepare_interactions(RecsysDataConfig(num_users=11, num_items=13, num_interactions=400, num_tags=6,
+                                                 tags_per_item=3, context_cardinality=5, cache_dir=""))
+    split = RecsysSplit(data.train, "cpu")
+    mcfg = RecsysModelConfig(dim=4, hidden=(6,), init_scale=0.3)
+
+    def gathered(grad) -> torch.Tensor:
+        """The ranks' updates (global ids) summed into [R + A, D]; the replicated dense rows from rank 0 only."""
+        dense = torch.zeros(grad.num_rows, grad.values.shape[1])
+        keep = grad.rows < (grad.num_rows if rank == 0 else single.num_rows)
+        dense.index_copy_(0, grad.rows[keep], grad.values[keep])
+        dist.all_reduce(dense)
+        mlp = grad.values[grad.rows >= single.num_rows]
+        both = [torch.zeros_like(mlp) for _ in range(WORLD)]
+        dist.all_gather(both, mlp)
+        assert all(torch.equal(b, mlp) for b in both)  # the MLP replicas get the same (broadcast) update
+        return dense
+
+    # ---- 1. updates and selection equal a single process over 3 steps (data-independent selections)
+    for sel_cfg in (UniformSelectionConfig(k=7), AllRowsConfig()):
+        single = build_model(data.cardinality, mcfg, seed=0)
+        sharded = ShardedRecsys(build_model(data.cardinality, mcfg, seed=0), shard_of(single, rank, WORLD))
+        opt_s = make_row_optimizer("sgd", single.row_tables(), lr=0.5)
+        opt_d = make_row_optimizer("sgd", sharded.local_tables(), lr=0.5)
+        selector = make_selector(sel_cfg, num_rows=single.num_rows)
+        kw = dict(batch_size=40, sampling_rate=0.1, clip1=0.4, clip2=0.05, noise_multiplier=1e-7,
+                  selector=selector, ctx=ctx)
+        for t in range(3):
+            batch = split.batch(torch.arange(40 * t, 40 * t + 40))
+            with torch.inference_mode():
+                torch.testing.assert_close(sharded.pooled(batch.kjt), single.pooled(batch.kjt), rtol=1e-5,
+                                           atol=1e-6)
+                loss_s, g = single.per_sample_row_grads(batch)
+                res_s = dp_step(g, generator=torch.Generator().manual_seed(10 + t), **kw)
+                loss_d, local, g_dense = sharded.per_sample_rows(batch)
+                res_d = distributed_dp_step(local, g_dense, sharded.shard, generator=torch.Generator().manual_seed(
+                    100 + rank), shared_generator=torch.Generator().manual_seed(10 + t), **kw)
+                torch.testing.assert_close(loss_d, loss_s, rtol=1e-5, atol=1e-6)
+                assert torch.equal(res_d.selected, res_s.selected)
+                assert res_d.spend == res_s.spend
+                assert float(res_s.stats.clipped1) > 0.2 and bool(res_s.stats.clipped2)  # both clips active
+                torch.testing.assert_close(gathered(res_d.grad), res_s.grad.to_dense(),
+                                           rtol=1e-4, atol=1e-7)
+                opt_s.step(res_s.grad)
+                apply_update(sharded, opt_d, res_d.grad)
+        batch = split.batch(torch.arange(200, 260))
+        with torch.inference_mode():
+            torch.testing.assert_close(sharded(batch), single(batch), rtol=1e-4, atol=1e-6)
+
+    # ---- 2. the exponential mechanism's law (R = 6 rows, two tables of 3: rank 0 owns rows {0, 3})
+    shard = RowShard(rank, WORLD, offsets=(0, 3), sizes=(3, 3), num_dense_rows=0)
+    logits = np.array([1.5, 0.0, 0.7, 0.0, 2.0, 0.0])  # rows 1, 3, 5 untouched (order statistics)
+    touched = torch.tensor([r for r in (0, 2, 4) if bool(shard.is_own(torch.tensor([r])))])
+    gen = torch.Generator().manual_seed(1000 + rank)
+    n, k, counts = 4000, 2, {}
+    for _ in range(n):
+        sel = sharded_gumbel_topk(touched, torch.tensor(logits[touched.numpy()], dtype=torch.float32), shard,
+                                  k=k, generator=gen)
+        counts[tuple(sel.tolist())] = counts.get(tuple(sel.tolist()), 0) + 1
+    if rank == 0:
+        assert _chi2_p(counts, _law(logits, k), n) > 1e-3
+        assert _chi2_p(counts, _law(2 * logits, k), n) < 1e-6  # negative control: a factor-2 error is caught
+
+    # ---- 3. noise once per selected row at sigma·Δ₂ (exponential selection, MLP rows from rank 0)
+    single = build_model(data.cardinality, mcfg, seed=0)
+    sharded = ShardedRecsys(build_model(data.cardinality, mcfg, seed=0), shard_of(single, rank, WORLD))
+    selector = make_selector(ExponentialSelectionConfig(k=10, epsilon=1.0, score_clip=0.05),
+                             num_rows=single.num_rows)
+    batch = split.batch(torch.arange(40))
+    zs, spend_s = [], None
+    with torch.inference_mode():
+        loss_d, local, g_dense = sharded.per_sample_rows(batch)
+        for t in range(40):
+            kw = dict(batch_size=40, sampling_rate=0.1, clip1=0.4, clip2=None, selector=selector, ctx=ctx,
+                      shared_generator=torch.Generator().manual_seed(t))
+            loud = distributed_dp_step(local, g_dense, sharded.shard, noise_multiplier=2.0,
+                                       generator=torch.Generator().manual_seed(10_000 * rank + t), **kw)
+            quiet = distributed_dp_step(local, g_dense, sharded.shard, noise_multiplier=1e-9,
+                                        generator=torch.Generator().manual_seed(10_000 * rank + t), **kw)
+            assert torch.equal(loud.selected, quiet.selected) and loud.selected.numel() == 10 + single.num_dense_rows
+            zs.append(gathered(loud.grad) - gathered(quiet.grad))
+            zs[-1] = zs[-1][loud.selected] / (2.0 * 0.4 / 40)
+        _, g = single.per_sample_row_grads(batch)
+        spend_s = dp_step(g, batch_size=40, sampling_rate=0.1, clip1=0.4, clip2=None, noise_multiplier=2.0,
+                          selector=selector, ctx=ctx, generator=torch.Generator()).spend
+    assert loud.spend == spend_s
+    if rank == 0:
+        z = torch.stack(zs)  # [40, k + A, D]
+        emb, mlp = z[:, :10].flatten().numpy(), z[:, 10:].flatten().numpy()
+        for part in (emb, mlp):
+            assert abs(part.std() - 1) < 0.12 and stats.kstest(part, "norm").pvalue > 1e-3, part.std()
+        assert math.isfinite(float(loss_d.sum()))
+    dist.destroy_process_group()
+
+
+def test_two_processes_match_single_process():
+    from widedp.distributed import free_port
+
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
