@@ -108,3 +108,18 @@ def test_secure_rng_resume_keeps_journaled_steps():
     journal.add(step, count=250)
     assert resumed_ledger(ckpt, journal, replayable=True).steps == 200  # exact replay releases nothing new
     assert resumed_ledger(ckpt, journal, replayable=False).steps == 250  # fresh randomness: lost steps stay spent
+
+
+def test_seeded_runs_reproduce_and_secure_rng_does_not(tmp_path):
+    def final_weights(name: str, extra: str = ""):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = _config(d, steps=100, extra_dp=extra)
+        assert main(["train", str(cfg), "--out", str(d / "run"), "--no-progress"]) == 0
+        return torch.load(d / "run" / "checkpoint.pt", weights_only=True)["model"]
+
+    a, b = final_weights("a"), final_weights("b")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    s1, s2 = final_weights("s1", "secure_rng: true"), final_weights("s2", "secure_rng: true")
+    assert any(not torch.equal(s1[k], s2[k]) for k in s1)
+    assert any(not torch.equal(a[k], s1[k]) for k in a)
