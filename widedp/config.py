@@ -80,15 +80,7 @@ class DataConfig:
         _positive("data.window", self.window)
         _nonneg("data.negatives", self.negatives)
         _nonneg("data.max_sentences", self.max_sentences)
-        if len(self.splits) != 3:
-            raise ConfigError(f"data.splits: need 3 sizes (train, valid, test), got {list(self.splits)}")
-        if any(s < 0 for s in self.splits):
-            raise ConfigError(f"data.splits: sizes must be >= 0, got {list(self.splits)}")
-        fractions = all(isinstance(s, float) and s <= 1 for s in self.splits)
-        if fractions and sum(self.splits) > 1 + 1e-9:
-            raise ConfigError(f"data.splits: fractions sum to {sum(self.splits):.3f} > 1")
-        if self.splits[0] == 0:
-            raise ConfigError("data.splits: the train split is empty")
+        check_splits(self.splits)
         if not (self.corpus == "brown" or self.corpus.startswith(("text:", "hf:"))):
             raise ConfigError(f"data.corpus: expected 'brown', 'text:PATH' or 'hf:NAME', got {self.corpus!r}")
         if self.corpus.startswith("text:") and not Path(self.corpus[5:]).expanduser().is_file():
@@ -96,14 +88,31 @@ class DataConfig:
 
     def cache_key(self) -> str:
         """Hash of every parameter that changes the prepared arrays (not where they are cached)."""
-        d = dataclasses.asdict(self)
-        d.pop("cache_dir")
-        d.pop("preset")
-        if self.corpus.startswith("text:"):
-            p = Path(self.corpus[5:]).expanduser()
-            st = p.stat()
-            d["corpus_stat"] = [str(p.resolve()), st.st_size, st.st_mtime_ns]
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        return data_cache_key(self, self.corpus[5:] if self.corpus.startswith("text:") else None)
+
+
+def check_splits(splits: tuple[float, ...]) -> None:
+    """``data.splits``: 3 sizes (integers = samples, floats <= 1 = fractions), a non-empty train split."""
+    if len(splits) != 3:
+        raise ConfigError(f"data.splits: need 3 sizes (train, valid, test), got {list(splits)}")
+    if any(s < 0 for s in splits):
+        raise ConfigError(f"data.splits: sizes must be >= 0, got {list(splits)}")
+    if all(isinstance(s, float) and s <= 1 for s in splits) and sum(splits) > 1 + 1e-9:
+        raise ConfigError(f"data.splits: fractions sum to {sum(splits):.3f} > 1")
+    if splits[0] == 0:
+        raise ConfigError("data.splits: the train split is empty")
+
+
+def data_cache_key(cfg: Any, file: str | None = None) -> str:
+    """Hash of a data config's fields except ``cache_dir``/``preset`` (and of a local input file's identity)."""
+    d = dataclasses.asdict(cfg)
+    d.pop("cache_dir", None)
+    d.pop("preset", None)
+    if file is not None:
+        p = Path(file).expanduser()
+        st = p.stat()
+        d["file_stat"] = [str(p.resolve()), st.st_size, st.st_mtime_ns]
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------------------- model

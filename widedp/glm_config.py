@@ -18,12 +18,11 @@ an error.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from widedp.config import data_cache_key
 from widedp.errors import ConfigError
 
 DATA_PRESETS: dict[str, dict[str, Any]] = {
@@ -93,14 +92,8 @@ class GLMDataConfig:
             raise ConfigError("data.labels: 'group' is defined for the Brown corpus only")
 
     def cache_key(self) -> str:
-        d = dataclasses.asdict(self)
-        d.pop("cache_dir")
-        d.pop("preset")
-        if self.corpus.startswith("text:"):
-            p = Path(self.corpus[5:]).expanduser()
-            st = p.stat()
-            d["corpus_stat"] = [str(p.resolve()), st.st_size, st.st_mtime_ns]
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        """Hash of every parameter that changes the prepared arrays (not where they are cached)."""
+        return data_cache_key(self, self.corpus[5:] if self.corpus.startswith("text:") else None)
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,11 @@ then the extra categorical features the source provides).
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from widedp.config import check_splits, data_cache_key
 from widedp.errors import ConfigError
 
 #: Named data presets; explicit ``data:`` keys override them. The first one is the default.
@@ -87,14 +85,7 @@ class RecsysDataConfig:
                 raise ConfigError(f"data.{key}: must be >= 0, got {getattr(self, key)}")
         if self.popularity_exponent < 0:
             raise ConfigError(f"data.popularity_exponent: must be >= 0, got {self.popularity_exponent}")
-        if len(self.splits) != 3:
-            raise ConfigError(f"data.splits: need 3 sizes (train, valid, test), got {list(self.splits)}")
-        if any(s < 0 for s in self.splits):
-            raise ConfigError(f"data.splits: sizes must be >= 0, got {list(self.splits)}")
-        if all(isinstance(s, float) and s <= 1 for s in self.splits) and sum(self.splits) > 1 + 1e-9:
-            raise ConfigError(f"data.splits: fractions sum to {sum(self.splits):.3f} > 1")
-        if self.splits[0] == 0:
-            raise ConfigError("data.splits: the train split is empty")
+        check_splits(self.splits)
         if any(not c for c in self.columns[:3]):
             raise ConfigError(f"data.columns: user, item and rating column names must be non-empty, "
                               f"got {list(self.columns)}")
@@ -107,14 +98,7 @@ class RecsysDataConfig:
 
     def cache_key(self) -> str:
         """Hash of every parameter that changes the prepared arrays (not where they are cached)."""
-        d = dataclasses.asdict(self)
-        d.pop("cache_dir")
-        d.pop("preset")
-        if self.source.startswith("ratings:"):
-            p = Path(self.source[8:]).expanduser()
-            st = p.stat()
-            d["source_stat"] = [str(p.resolve()), st.st_size, st.st_mtime_ns]
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        return data_cache_key(self, self.source[8:] if self.source.startswith("ratings:") else None)
 
 
 @dataclass(frozen=True)
