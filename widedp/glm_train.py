@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import torch
 import yaml
 
@@ -30,9 +29,7 @@ from widedp.convex import common
 from widedp.errors import ConfigError
 from widedp.glm_config import GLMAlgorithmConfig
 from widedp.models import glm
-from widedp.report import plot_losses
-
-matplotlib.use("Agg")
+from widedp.report import plot_history, plot_losses
 
 
 def to_rows(split: Any, *, num_features: int, num_classes: int, dtype: torch.dtype) -> glm.SparseRows:
@@ -200,17 +197,5 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plot_accuracy(history: list[dict[str, Any]], path: Path, *, title: str) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=100)
-    it = [h["iteration"] for h in history]
-    for key, style in (("train_accuracy", "-o"), ("test_accuracy", "-^")):
-        ax.plot(it, [h.get(key) for h in history], style, ms=3, label=key.replace("_", " "))
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("accuracy")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    plot_history(history, path, keys=("train_accuracy", "test_accuracy"), x="iteration", ylabel="accuracy",
+                 title=title)

@@ -1,7 +1,8 @@
-"""Plots of a run's losses (matplotlib, headless)."""
+"""Plots of a run's history (matplotlib, headless)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,19 +12,25 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
-def plot_losses(history: list[dict[str, Any]], path: Path, *, title: str = "") -> None:
-    """Train / valid / test loss per epoch (epoch 0 = before training) into a PNG."""
+def plot_history(history: list[dict[str, Any]], path: Path, *, keys: Sequence[str], x: str = "epoch",
+                 ylabel: str = "loss", title: str = "") -> None:
+    """One line per ``keys`` entry of ``history`` records against record[``x``], into a PNG."""
     if not history:
         return
     fig, ax = plt.subplots(figsize=(5, 3.5), dpi=100)
-    epochs = [h["epoch"] for h in history]
-    for key, style in (("train_loss", "-o"), ("valid_loss", "-s"), ("test_loss", "-^")):
-        ax.plot(epochs, [h.get(key) for h in history], style, ms=3, label=key.replace("_", " "))
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("loss")
+    xs = [h[x] for h in history]
+    for key, style in zip(keys, ("-o", "-s", "-^", "-v", "-d")):
+        ax.plot(xs, [h.get(key) for h in history], style, ms=3, label=key.replace("_", " "))
+    ax.set_xlabel(x)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_losses(history: list[dict[str, Any]], path: Path, *, title: str = "") -> None:
+    """Train / valid / test loss per epoch (epoch 0 = before training) into a PNG."""
+    plot_history(history, path, keys=("train_loss", "valid_loss", "test_loss"), title=title)
