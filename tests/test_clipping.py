@@ -51,10 +51,11 @@ def test_clip_norm_is_over_the_whole_sample_not_per_row():
     assert was.tolist() == [True]
 
 
-def test_aggregate_matches_dense():
+@pytest.mark.parametrize("num_rows", [11, 200])  # fewer rows than pairs (dense buffer path) and more (sort path)
+def test_aggregate_matches_dense(num_rows):
     gen = torch.Generator().manual_seed(1)
     for _ in range(20):
-        g = random_batch(gen, batch=6, num_rows=11, dim=4)
+        g = random_batch(gen, batch=6, num_rows=num_rows, dim=4)
         touched, ghat = aggregate(g, batch_size=5.0)
         assert torch.equal(touched, torch.unique(g.rows))
         assert (touched[1:] > touched[:-1]).all()

@@ -34,6 +34,13 @@ def aggregate(g: PerSampleRows, *, batch_size: float) -> tuple[Tensor, Tensor]:
     Returns:
         touched [U] int64 sorted unique row ids, ghat [U, D].
     """
+    if g.num_rows <= g.rows.numel():
+        # more (sample, row) pairs than rows (e.g. dense MLP rows every sample touches): an [R, D] buffer is
+        # cheaper than sorting the pairs, and gives the same touched set and sums
+        buf = g.values.new_zeros(g.num_rows, g.values.shape[1]).index_add_(0, g.rows, g.values, alpha=1.0 / batch_size)
+        present = torch.zeros(g.num_rows, dtype=torch.bool, device=g.rows.device).index_fill_(0, g.rows, True)
+        touched = present.nonzero().squeeze(1)
+        return touched, buf.index_select(0, touched)
     touched, inv = torch.unique(g.rows, sorted=True, return_inverse=True)
     ghat = g.values.new_zeros(touched.numel(), g.values.shape[1])
     ghat.index_add_(0, inv, g.values, alpha=1.0 / batch_size)
