@@ -230,3 +230,15 @@ def test_bad_inputs_one_line_errors(trained, tmp_path, capsys):
     _one_line_error(capsys, ["canary", "--runs", str(run_dir), "--num-candidates", "0", "--out", str(tmp_path / "x")],
                     "--num-candidates")
     assert not (tmp_path / "x").exists()
+
+
+def test_plain_resume_of_a_canary_run_is_refused(tmp_path, capsys):
+    from widedp.cli import main as cli_main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("train: {epochs: 1}\n")
+    (run / "canaries.json").write_text("{}")
+    (run / "checkpoint.pt").write_bytes(b"")
+    assert cli_main(["train", "--resume", str(run)]) == 2
+    assert "trained with canaries" in capsys.readouterr().err

@@ -126,6 +126,8 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
     device = resolve_device(tc.device)
     _check_optimizer(cfg)
     out.mkdir(parents=True, exist_ok=True)
+    if resume and data is None and (out / "canaries.json").exists():
+        raise ConfigError(f"{out}: trained with canaries; resume it by re-running the same `widedp canary` command")
     ckpt = load_checkpoint(out, map_location=device) if resume else None
     if ckpt is not None and ckpt["config_hash"] != cfg.hash():
         raise ConfigError(f"{out}: checkpoint was written by a different config (hash {ckpt['config_hash']})")
