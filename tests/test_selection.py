@@ -356,3 +356,23 @@ def test_exponential_k_equals_all_rows():
         s, _ = sel.select(torch.tensor([0, 4]), torch.tensor([0.5, 0.2]), num_rows=9, score_sensitivity=1.0, ctx=CTX,
                           generator=torch.Generator().manual_seed(11))
         assert sorted(s.tolist()) == list(range(9))
+
+
+def test_random_sparsification_mask_survives_a_resume():
+    # a resumed run has a fresh selector and a generator in another state: the epoch's mask must not change
+    from widedp.selection import RandomSparsificationSelector, SelectionContext
+
+    ctx = SelectionContext(epoch=3, num_epochs=10)
+    empty = torch.zeros(0, dtype=torch.long)
+    g1 = torch.Generator().manual_seed(5)
+    first = RandomSparsificationSelector(final_rate=0.5).select(
+        empty, empty.float(), num_rows=50, score_sensitivity=0.0, ctx=ctx, generator=g1)[0]
+    g2 = torch.Generator().manual_seed(5)
+    torch.rand(1000, generator=g2)  # the resumed generator has advanced
+    again = RandomSparsificationSelector(final_rate=0.5).select(
+        empty, empty.float(), num_rows=50, score_sensitivity=0.0, ctx=ctx, generator=g2)[0]
+    assert torch.equal(first, again)
+    other = RandomSparsificationSelector(final_rate=0.5).select(
+        empty, empty.float(), num_rows=50, score_sensitivity=0.0, ctx=SelectionContext(epoch=4, num_epochs=10),
+        generator=g2)[0]
+    assert not torch.equal(first, other)

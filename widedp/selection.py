@@ -285,7 +285,7 @@ class UniformSelector:
 class RandomSparsificationSelector:
     """Zhu & Blaschko's random sparsification: one uniformly random mask per epoch keeping round((1 − r(e))·R)
     rows (at least 1), r(e) = final_rate·e/(E−1) with gradual cooling (final_rate when E = 1), final_rate
-    without. The mask is drawn from the step's generator at the epoch's first step and cached for the epoch.
+    without. The mask is a function of (the step generator's seed, epoch), cached for the epoch.
     """
 
     final_rate: float
@@ -311,10 +311,11 @@ class RandomSparsificationSelector:
     ) -> tuple[Tensor, Spend]:
         mask = self._mask
         if self._epoch != ctx.epoch or mask is None or mask.device != touched.device:
+            # the epoch's mask comes from its own stream (seeded by the step generator's seed and the epoch), so a
+            # run resumed mid-epoch redraws the same mask and leaves the step generator's draws untouched
+            epoch_gen = torch.Generator().manual_seed((generator.initial_seed() * 1_000_003 + ctx.epoch) % 2**63)
             kept = max(1, round((1.0 - self.rate(ctx)) * num_rows))
-            empty = touched.new_zeros(0)
-            mask = sample_distinct(kept, num_rows, exclude=empty, generator=generator, device=touched.device)
-            mask = mask.sort().values
+            mask = torch.randperm(num_rows, generator=epoch_gen)[:kept].sort().values.to(touched.device)
             self._epoch, self._mask = ctx.epoch, mask
         return mask, FreeSpend("random_sparsification")
 

@@ -165,7 +165,7 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
         step, history, elapsed = ckpt["step"], ckpt["history"], ckpt["elapsed"]
         if dp is not None:
             if not dp.secure_rng:
-                noise_gen.set_state(ckpt["noise_gen"].to("cpu") if device.type == "cpu" else ckpt["noise_gen"].cpu())
+                noise_gen.set_state(ckpt["noise_gen"].cpu())
             ledger = budget.resumed_ledger(accounting.Ledger.from_json(ckpt["ledger"]), budget.read_journal(out),
                                            replayable=not dp.secure_rng)
     total = budget.total_steps(cfg, n)
@@ -179,10 +179,9 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                  "history": history, "elapsed": elapsed + time.perf_counter() - t0 - aside,
                  "config_hash": cfg.hash()}
-        if dp is not None:
+        if dp is not None:  # (the journal is written ahead of each interval, never lowered here)
             state["noise_gen"] = noise_gen.get_state()
             state["ledger"] = ledger.to_json()
-            budget.write_journal(out, ledger)
         save_checkpoint(out, state)
 
     if ckpt is None:
@@ -263,6 +262,8 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
             log({"kind": "epoch", **history[-1]})
         checkpoint()
     metrics.close()
+    if dp is not None:
+        budget.write_journal(out, ledger)  # the run is over: what it spent is exactly the ledger
     summary = _summary(cfg, dp, history, step, per_epoch, wall, setup_s, n, ledger, stopped_by_budget, budget_cap)
     summary["wall_s"] = wall + aside + setup_s  # training + evaluation + checkpoints + setup
     write_json(out / "summary.json", summary)
