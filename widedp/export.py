@@ -21,10 +21,9 @@ def export_word2vec(run_dir: Path, out: Path) -> Path:
         raise ConfigError(f"{run_dir}: no vocab.json (not a widedp CBOW run directory)")
     vocab = json.loads(vocab_path.read_text())
     state = load_checkpoint(run_dir)["model"]
-    weight = next((v for k, v in state.items() if k.endswith("weight") and "in_" in k), None)
-    if weight is None:
-        weight = next(v for k, v in state.items() if k.endswith("weight"))
-    weight = weight.to(torch.float32)
+    if "input.weight" not in state:
+        raise ConfigError(f"{run_dir}: the checkpoint holds no CBOW input table (input.weight)")
+    weight = state["input.weight"].to(torch.float32)  # the context (input) embeddings, word2vec's usual vectors
     if weight.shape[0] < len(vocab):
         raise ConfigError(f"{run_dir}: embedding table has {weight.shape[0]} rows for {len(vocab)} words")
     lines = [f"{len(vocab)} {weight.shape[1]}"]
