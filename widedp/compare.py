@@ -28,7 +28,8 @@ from typing import Any
 import yaml
 
 from widedp.checkpoint import load_checkpoint, read_json, write_json
-from widedp.config import Config, apply_override, config_from_dict
+from widedp.config import Config, config_from_dict
+from widedp.configtools import apply_override
 from widedp.errors import ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")

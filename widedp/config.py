@@ -15,14 +15,23 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from widedp.configtools import (
+    apply_override,
+    build,
+    check_splits,
+    data_cache_key,
+    expect_mapping,
+    k_or_gamma,
+    no_unknown,
+    nonneg,
+    positive,
+)
 from widedp.errors import ConfigError
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -76,10 +85,10 @@ class DataConfig:
     cache_dir: str = ".cache/widedp"
 
     def __post_init__(self) -> None:
-        _positive("data.vocab_size", self.vocab_size)
-        _positive("data.window", self.window)
-        _nonneg("data.negatives", self.negatives)
-        _nonneg("data.max_sentences", self.max_sentences)
+        positive("data.vocab_size", self.vocab_size)
+        positive("data.window", self.window)
+        nonneg("data.negatives", self.negatives)
+        nonneg("data.max_sentences", self.max_sentences)
         check_splits(self.splits)
         if not (self.corpus == "brown" or self.corpus.startswith(("text:", "hf:"))):
             raise ConfigError(f"data.corpus: expected 'brown', 'text:PATH' or 'hf:NAME', got {self.corpus!r}")
@@ -89,33 +98,6 @@ class DataConfig:
     def cache_key(self) -> str:
         """Hash of every parameter that changes the prepared arrays (not where they are cached)."""
         return data_cache_key(self, self.corpus[5:] if self.corpus.startswith("text:") else None)
-
-
-def check_splits(splits: tuple[float, ...]) -> None:
-    """``data.splits``: 3 sizes (integers = samples, floats <= 1 = fractions), a non-empty train split."""
-    if len(splits) != 3:
-        raise ConfigError(f"data.splits: need 3 sizes (train, valid, test), got {list(splits)}")
-    if any(s < 0 for s in splits):
-        raise ConfigError(f"data.splits: sizes must be >= 0, got {list(splits)}")
-    if all(isinstance(s, float) and s <= 1 for s in splits) and sum(splits) > 1 + 1e-9:
-        raise ConfigError(f"data.splits: fractions sum to {sum(splits):.3f} > 1")
-    if splits[0] == 0:
-        raise ConfigError("data.splits: the train split is empty")
-
-
-def data_cache_key(cfg: Any, file: str | None = None) -> str:
-    """Hash of a data config's fields except ``cache_dir``/``preset`` (and of a local input file's identity)."""
-    d = dataclasses.asdict(cfg)
-    d.pop("cache_dir", None)
-    d.pop("preset", None)
-    if file is not None:
-        p = Path(file).expanduser()
-        st = p.stat()
-        d["file_stat"] = [str(p.resolve()), st.st_size, st.st_mtime_ns]
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------------------------- model
 
 
 @dataclass(frozen=True)
@@ -136,8 +118,8 @@ class ModelConfig:
     init_scale: float = 0.5
 
     def __post_init__(self) -> None:
-        _positive("model.dim", self.dim)
-        _positive("model.init_scale", self.init_scale)
+        positive("model.dim", self.dim)
+        positive("model.init_scale", self.init_scale)
 
 
 # ---------------------------------------------------------------------------------------------------------- train
@@ -178,15 +160,15 @@ class TrainConfig:
     eval_max_samples: int = 0
 
     def __post_init__(self) -> None:
-        _positive("train.epochs", self.epochs)
-        _positive("train.batch_size", self.batch_size)
-        _positive("train.lr", self.lr)
-        _positive("train.log_every", self.log_every)
-        _positive("train.eval_batch_size", self.eval_batch_size)
-        _nonneg("train.checkpoint_every", self.checkpoint_every)
-        _nonneg("train.max_steps", self.max_steps)
-        _nonneg("train.threads", self.threads)
-        _nonneg("train.eval_max_samples", self.eval_max_samples)
+        positive("train.epochs", self.epochs)
+        positive("train.batch_size", self.batch_size)
+        positive("train.lr", self.lr)
+        positive("train.log_every", self.log_every)
+        positive("train.eval_batch_size", self.eval_batch_size)
+        nonneg("train.checkpoint_every", self.checkpoint_every)
+        nonneg("train.max_steps", self.max_steps)
+        nonneg("train.threads", self.threads)
+        nonneg("train.eval_max_samples", self.eval_max_samples)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
 
@@ -213,9 +195,9 @@ class ExponentialSelectionConfig:
     method: Literal["fast", "brute"] = "fast"
 
     def __post_init__(self) -> None:
-        _k_or_gamma("dp.selection", self.k, self.gamma)
-        _positive("dp.selection.epsilon", self.epsilon)
-        _positive("dp.selection.score_clip", self.score_clip)
+        k_or_gamma("dp.selection", self.k, self.gamma)
+        positive("dp.selection.epsilon", self.epsilon)
+        positive("dp.selection.score_clip", self.score_clip)
 
 
 @dataclass(frozen=True)
@@ -241,9 +223,9 @@ class SparseVectorSelectionConfig:
     epsilon_release: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive("dp.selection.epsilon", self.epsilon)
-        _positive("dp.selection.cutoff", self.cutoff)
-        _positive("dp.selection.score_clip", self.score_clip)
+        positive("dp.selection.epsilon", self.epsilon)
+        positive("dp.selection.cutoff", self.cutoff)
+        positive("dp.selection.score_clip", self.score_clip)
         if not 0 < self.threshold_fraction < 1:
             raise ConfigError(f"dp.selection.threshold_fraction: must be in (0, 1), got {self.threshold_fraction}")
         if self.release_values and self.epsilon_release <= 0:
@@ -259,7 +241,7 @@ class UniformSelectionConfig:
     gamma: float | None = None
 
     def __post_init__(self) -> None:
-        _k_or_gamma("dp.selection", self.k, self.gamma)
+        k_or_gamma("dp.selection", self.k, self.gamma)
 
 
 @dataclass(frozen=True)
@@ -337,14 +319,14 @@ class DPConfig:
             raise ConfigError(
                 f"dp.engine: opacus runs DP-SGD only (dp.selection.name: all), not {self.selection.name!r}"
             )
-        _positive("dp.clip1", self.clip1)
+        positive("dp.clip1", self.clip1)
         if self.clip2 is not None:
-            _positive("dp.clip2", self.clip2)
-        _positive("dp.noise_multiplier", self.noise_multiplier)
+            positive("dp.clip2", self.clip2)
+        positive("dp.noise_multiplier", self.noise_multiplier)
         if not 0 < self.delta < 1:
             raise ConfigError(f"dp.delta: must be in (0, 1), got {self.delta}")
         if self.target_epsilon is not None:
-            _positive("dp.target_epsilon", self.target_epsilon)
+            positive("dp.target_epsilon", self.target_epsilon)
         if self.calibrate != "none" and self.target_epsilon is None:
             raise ConfigError("dp.calibrate: needs dp.target_epsilon")
         if self.calibrate == "selection_epsilon" and not isinstance(
@@ -399,23 +381,6 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return config_from_dict(raw)
 
 
-def apply_override(raw: dict[str, Any], override: str) -> None:
-    """Apply ``a.b.c=value`` (value parsed as YAML) to a raw config mapping in place."""
-    if "=" not in override:
-        raise ConfigError(f"--set {override!r}: expected KEY=VALUE")
-    key, value = override.split("=", 1)
-    parts = key.strip().split(".")
-    node = raw
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {key}: {part} is not a section")
-    try:
-        node[parts[-1]] = yaml.safe_load(value)
-    except yaml.YAMLError:
-        raise ConfigError(f"--set {key}: cannot parse value {value!r}") from None
-
-
 #: Tasks other than CBOW: module path -> a module exposing DATA_CONFIG, MODEL_CONFIG (dataclasses), DATA_PRESETS
 #: (dict, may be empty; applied when data.preset names one) and optionally ALGORITHM_CONFIG (an ``algorithm:``
 #: section). Imported only when a config names the task.
@@ -440,9 +405,9 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     task = raw.get("task", "cbow")
     data_cls, model_cls, presets, algo_cls = _task_types(task)
     sections = {"task", "data", "model", "train", "dp"} | ({"algorithm"} if algo_cls else set())
-    _no_unknown("", raw, sections)
+    no_unknown("", raw, sections)
     data_raw = dict(raw.get("data") or {})
-    _expect_mapping("data", data_raw)
+    expect_mapping("data", data_raw)
     if presets:
         preset = data_raw.get("preset", next(iter(presets)))
         if preset not in presets:
@@ -451,10 +416,10 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     dp_raw = raw.get("dp")
     dp = None
     if dp_raw is not None:
-        _expect_mapping("dp", dp_raw)
+        expect_mapping("dp", dp_raw)
         dp_raw = dict(dp_raw)
         sel_raw = dp_raw.pop("selection", {"name": "exponential"})
-        _expect_mapping("dp.selection", sel_raw)
+        expect_mapping("dp.selection", sel_raw)
         name = sel_raw.get("name")
         if name not in SELECTIONS:
             raise ConfigError(f"dp.selection.name: expected one of {', '.join(SELECTIONS)}, got {name!r}")
@@ -470,99 +435,3 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     )
 
 
-def build(section: str, cls: type, raw: Any, **extra: Any) -> Any:
-    """Construct dataclass ``cls`` from a mapping, checking keys and types (ints accepted for floats)."""
-    _expect_mapping(section, raw)
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    _no_unknown(section, raw, names - set(extra))
-    kwargs: dict[str, Any] = {}
-    for k, v in raw.items():
-        kwargs[k] = _coerce(f"{section}.{k}" if section else k, v, hints[k])
-    kwargs.update(extra)
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # pragma: no cover - missing required fields
-        raise ConfigError(f"{section}: {e}") from None
-
-
-def _coerce(key: str, v: Any, tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if v is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(key, v, a)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key}: invalid value {v!r}")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if v not in allowed:
-            raise ConfigError(f"{key}: expected one of {', '.join(map(str, allowed))}, got {v!r}")
-        return v
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(v, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {v!r}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(key, x, args[0]) for x in v)
-        if len(v) != len(args):
-            raise ConfigError(f"{key}: expected {len(args)} values, got {len(v)}")
-        return tuple(_coerce(key, x, a) for x, a in zip(v, args))
-    if tp is bool:
-        if not isinstance(v, bool):
-            raise ConfigError(f"{key}: expected true/false, got {v!r}")
-        return v
-    if tp is int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            if isinstance(v, float) and v.is_integer():
-                return int(v)
-            raise ConfigError(f"{key}: expected an integer, got {v!r}")
-        return v
-    if tp is float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {v!r}")
-        # keep ints as ints where that carries meaning (split sizes); floats otherwise
-        return v
-    if tp is str:
-        if not isinstance(v, str):
-            raise ConfigError(f"{key}: expected a string, got {v!r}")
-        return v
-    raise ConfigError(f"{key}: unsupported value {v!r}")  # pragma: no cover
-
-
-def _no_unknown(section: str, raw: dict[str, Any], allowed: set[str]) -> None:
-    for k in raw:
-        if k not in allowed:
-            where = f"{section}.{k}" if section else str(k)
-            raise ConfigError(f"{where}: unknown key (expected one of {', '.join(sorted(allowed))})")
-
-
-def _expect_mapping(section: str, raw: Any) -> None:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{section}: expected a mapping, got {raw!r}")
-
-
-def _positive(key: str, v: float) -> None:
-    if not v > 0:
-        raise ConfigError(f"{key}: must be > 0, got {v}")
-
-
-def _nonneg(key: str, v: float) -> None:
-    if v < 0:
-        raise ConfigError(f"{key}: must be >= 0, got {v}")
-
-
-def _k_or_gamma(section: str, k: int | None, gamma: float | None) -> None:
-    if (k is None) == (gamma is None):
-        raise ConfigError(f"{section}: give exactly one of k or gamma")
-    if k is not None and k <= 0:
-        raise ConfigError(f"{section}.k: must be > 0, got {k}")
-    if gamma is not None and not 0 < gamma <= 1:
-        raise ConfigError(f"{section}.gamma: must be in (0, 1], got {gamma}")

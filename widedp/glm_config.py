@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from widedp.config import data_cache_key
+from widedp.configtools import data_cache_key
 from widedp.errors import ConfigError
 
 DATA_PRESETS: dict[str, dict[str, Any]] = {

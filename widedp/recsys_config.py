@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from widedp.config import check_splits, data_cache_key
+from widedp.configtools import check_splits, data_cache_key
 from widedp.errors import ConfigError
 
 #: Named data presets; explicit ``data:`` keys override them. The first one is the default.
