@@ -133,7 +133,9 @@ class CBOW(nn.Module):
         With s_t = sigma(out[t].h) - 1 and s_n = sigma(out[n].h): d/d out[t] = s_t h, d/d out[n] = s_n h,
         d/dh = s_t out[t] + sum_n s_n out[n], and each of the m context rows gets (1/m) d/dh. Duplicate rows of a
         sample (repeated negatives or context ids; a negative equal to a context word when tied) are summed. Run
-        it under ``torch.inference_mode()`` for speed; the returned tensors do not require grad.
+        it under ``torch.inference_mode()`` for speed; the returned tensors do not require grad. A NaN or an inf in
+        a row a sample uses stays in that sample's loss and gradients (every op is per sample); ``dp_step`` zeroes
+        such a sample (issue 16).
 
         Returns:
             loss [B]; PerSampleRows with rows sorted by (sample, row), unique within each sample.

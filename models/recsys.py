@@ -269,7 +269,9 @@ class RecsysModel(nn.Module):
     def per_sample_row_grads(self, batch: RecsysBatch) -> tuple[Tensor, PerSampleRowsWithDense]:
         """Per-sample loss [B] and gradients over the row space (closed form; run under inference mode).
 
-        Returns rows sorted by (sample, row), unique within a sample, every sample's A dense rows last.
+        Returns rows sorted by (sample, row), unique within a sample, every sample's A dense rows last. A NaN or an
+        inf a sample looks up (a table row, the MLP) stays in that sample's loss and gradients: every op here is
+        per sample, and ``dp_step`` zeroes such a sample (issue 16).
         """
         B = len(batch)
         e = self.pooled(batch.kjt).detach()

@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from widedp.clipping import aggregate, clip_l2, clip_per_sample, restrict
+from widedp.clipping import (
+    SampleNorms,
+    aggregate,
+    clip_l2,
+    clip_per_sample,
+    restrict,
+    sample_norms,
+    sample_scale,
+    sample_sumsq,
+)
 from widedp.rowgrads import PerSampleRows, coalesce
 
 
@@ -30,7 +39,9 @@ def test_clip_per_sample_matches_dense(clip1):
     for trial in range(20):
         g = random_batch(gen, batch=7, num_rows=9, dim=3)
         g = PerSampleRows(g.values * clip1 / 2, g.rows, g.offsets, g.num_rows)
-        clipped, was = clip_per_sample(g, clip1=clip1)
+        clipped, info = clip_per_sample(g, clip1=clip1)
+        was = info.clipped
+        assert not info.nonfinite.any()
         ref, ref_was = dense_clip(g.to_dense(), clip1)
         torch.testing.assert_close(clipped.to_dense(), ref, rtol=1e-12, atol=1e-12)
         assert torch.equal(was, ref_was), trial
@@ -46,9 +57,41 @@ def test_clip_norm_is_over_the_whole_sample_not_per_row():
     # one sample, two rows of norm 1 each: whole norm sqrt(2) > 1.2 -> both rows scaled by 1.2 / sqrt(2)
     values = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
     g = PerSampleRows(values, torch.tensor([0, 3]), torch.tensor([0, 2]), num_rows=4)
-    clipped, was = clip_per_sample(g, clip1=1.2)
+    clipped, info = clip_per_sample(g, clip1=1.2)
     torch.testing.assert_close(clipped.values, values * (1.2 / 2**0.5))
-    assert was.tolist() == [True]
+    assert info.clipped.tolist() == [True]
+
+
+def test_sample_norms_are_a_power_of_two_times_a_root():
+    gen = torch.Generator().manual_seed(3)
+    g = random_batch(gen, batch=40, num_rows=9, dim=3)
+    dense = g.to_dense().flatten(1)
+    top, ref = dense.abs().amax(1), dense.norm(dim=1)
+    n = sample_norms(g)
+    assert (n.scale.frexp().mantissa == 0.5).all()  # powers of two
+    nz = top > 0
+    assert (~nz).any() and ((n.scale <= top) & (top < 2 * n.scale))[nz].all()
+    torch.testing.assert_close(n.scale * n.sumsq.sqrt(), ref, rtol=1e-14, atol=0)
+
+
+def test_clip_with_the_norms_of_a_split_sample():
+    """The row-sharded clip of widedp.distributed: each part clipped with the whole samples' norms (the larger
+    scale, the sum of sumsq) is the whole clip, part by part; a NaN in one part zeroes the sample in both."""
+    gen = torch.Generator().manual_seed(4)
+    g = random_batch(gen, batch=9, num_rows=12, dim=3)
+    g.values[int(g.offsets[3]):int(g.offsets[4])][-1, 0] = float("nan")  # sample 3 (lengths >= 1 for this seed)
+    sample = g.sample_ids()
+    parts = [coalesce(g.values[m], g.rows[m], sample[m], 9, 12) for m in (g.rows < 6, g.rows >= 6)]
+    scale = torch.maximum(*(sample_scale(p) for p in parts))
+    norms = SampleNorms(scale, sum(sample_sumsq(p, scale) for p in parts))
+    whole, info = clip_per_sample(g, clip1=1.5)
+    assert info.nonfinite.tolist() == [j == 3 for j in range(9)] and info.clipped.any()
+    assert not whole.to_dense()[3].any() and torch.isfinite(whole.values).all()
+    split = [clip_per_sample(p, clip1=1.5, norms=norms) for p in parts]
+    torch.testing.assert_close(split[0][0].to_dense() + split[1][0].to_dense(), whole.to_dense(), rtol=1e-12,
+                               atol=1e-12)
+    for _, part_info in split:
+        assert torch.equal(part_info.clipped, info.clipped) and torch.equal(part_info.nonfinite, info.nonfinite)
 
 
 @pytest.mark.parametrize("num_rows", [11, 200])  # fewer rows than pairs (dense buffer path) and more (sort path)
@@ -95,7 +138,7 @@ def test_clip_l2():
 
 def test_empty_batch():
     g = PerSampleRows(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long), 10)
-    clipped, was = clip_per_sample(g, clip1=1.0)
-    assert clipped.values.shape == (0, 3) and was.shape == (0,)
+    clipped, info = clip_per_sample(g, clip1=1.0)
+    assert clipped.values.shape == (0, 3) and info.clipped.shape == (0,) and info.nonfinite.shape == (0,)
     touched, ghat = aggregate(clipped, batch_size=4.0)
     assert touched.shape == (0,) and ghat.shape == (0, 3)

@@ -5,7 +5,8 @@
 - the sharded exponential mechanism (per-rank Gumbel keys + order statistics, local top-k, all_gather) has the
   single-process Gumbel top-k law: chi^2 over all ordered outcomes, and a negative control (doubled logits) fails;
 - every selected row is noised once at std sigma·Δ₂ (a row noised by both ranks would show sqrt(2) times that);
-- the spend is the single-process StepSpend.
+- the spend is the single-process StepSpend;
+- a sample with a NaN / inf in one rank's rows (or in the replicated MLP rows) is zeroed on every rank.
 """
 
 from __future__ import annotations
@@ -153,6 +154,39 @@ def _worker(rank: int, port: int) -> None:
         for part in (emb, mlp):
             assert abs(part.std() - 1) < 0.12 and stats.kstest(part, "norm").pvalue > 1e-3, part.std()
         assert math.isfinite(float(loss_d.sum()))
+
+    # ---- 4. a NaN / inf in one sample's rows on ONE rank (or in its replicated MLP part) zeroes that sample on
+    # every rank, as in a single process: same selection and update as dp_step, finite, counted
+    single = build_model(data.cardinality, mcfg, seed=0)
+    sharded = ShardedRecsys(build_model(data.cardinality, mcfg, seed=0), shard_of(single, rank, WORLD))
+    owner1 = shard_of(single, 1, WORLD)
+    selector = make_selector(UniformSelectionConfig(k=7), num_rows=single.num_rows)
+    batch = split.batch(torch.arange(40))
+    with torch.inference_mode():
+        _, g = single.per_sample_row_grads(batch)
+        _, local, g_dense = sharded.per_sample_rows(batch)
+    sample = g.sample_ids()
+    on1 = (g.rows < single.num_rows) & owner1.is_own(g.rows.clamp(max=single.num_rows - 1))  # rank 1's rows
+    j = int(sample[on1][0])
+    r = int(g.rows[on1 & (sample == j)][0])
+    for bad, in_mlp in ((float("nan"), False), (float("-inf"), False), (float("inf"), True)):
+        gv, lv, gd = g.values.clone(), local.values.clone(), g_dense.clone()
+        if in_mlp:
+            gv[int(g.offsets[j + 1]) - 1, 0] = bad
+            gd[j, -1, 0] = bad
+        else:
+            gv[(sample == j) & (g.rows == r), 1] = bad
+            lv[(local.sample_ids() == j) & (local.rows == r), 1] = bad  # on rank 1 only
+        kw = dict(batch_size=40, sampling_rate=0.1, clip1=0.4, clip2=0.05, noise_multiplier=1e-7, selector=selector,
+                  ctx=ctx)
+        res_s = dp_step(type(g)(**{**g.__dict__, "values": gv}), generator=torch.Generator().manual_seed(3), **kw)
+        res_d = distributed_dp_step(type(local)(**{**local.__dict__, "values": lv}), gd, sharded.shard,
+                                    generator=torch.Generator().manual_seed(100 + rank),
+                                    shared_generator=torch.Generator().manual_seed(3), **kw)
+        assert torch.isfinite(res_d.grad.values).all() and torch.isfinite(res_s.grad.values).all()
+        assert torch.equal(res_d.selected, res_s.selected)
+        torch.testing.assert_close(gathered(res_d.grad), res_s.grad.to_dense(), rtol=1e-4, atol=1e-7)
+        assert int(res_s.stats.nonfinite) == 1 and int(res_d.nonfinite) == 1
     dist.destroy_process_group()
 
 

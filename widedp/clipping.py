@@ -2,9 +2,17 @@
 
 Everything here is a few vectorised ops (segment sums over ``offsets``; no Python loop over samples) and never
 syncs with the host except ``torch.unique`` in ``aggregate``.
+
+Non-finite gradients (issue 16): a sample with any NaN or ±inf entry contributes zero, as if its gradient were all
+zeros, so no non-finite value reaches the scores, the selection or the noise; samples are counted (``ClipInfo``).
+Norms are taken in units of a power of two near each sample's largest entry, so huge finite entries (1e30 in
+float32, whose squares overflow) are clipped to S1 like any others.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -12,20 +20,82 @@ from torch import Tensor
 from widedp.rowgrads import PerSampleRows
 
 
-def clip_per_sample(g: PerSampleRows, *, clip1: float) -> tuple[PerSampleRows, Tensor]:
-    """Scale each sample's whole gradient (all its rows) to L2 norm at most ``clip1``.
+@dataclass(frozen=True)
+class SampleNorms:
+    """Each sample's L2 norm as ``scale · sqrt(sumsq)``: nothing overflows or underflows on the way.
+
+    scale: [B] the power of two with scale <= max |entry| < 2·scale (any power of two for a zero or empty
+    sample); +inf when an entry is not finite (NaN, ±inf). sumsq: [B] Σ (entry / scale)², exact scaling,
+    in [1, 4·n·D) (0 for a zero, empty or non-finite sample).
+    """
+
+    scale: Tensor
+    sumsq: Tensor
+
+
+@dataclass(frozen=True)
+class ClipInfo:
+    """clipped: [B] bool, the sample's norm was > S1. nonfinite: [B] bool, it had a non-finite entry (zeroed)."""
+
+    clipped: Tensor
+    nonfinite: Tensor
+
+
+def sample_scale(g: PerSampleRows) -> Tensor:
+    """[B] ``SampleNorms.scale`` of each sample of ``g``."""
+    top = torch.maximum(g.values.amax(1), g.values.amin(1).neg_())  # [nnz] max |entry|; NaN propagates
+    top = torch.segment_reduce(top.masked_fill_(top.isnan(), math.inf), "max", offsets=g.offsets, initial=0)
+    mantissa, _ = top.frexp()  # top = mantissa · 2^e, mantissa in [0.5, 1); top / (2·mantissa) = 2^(e-1) exactly
+    return torch.where(top > 0, top / (mantissa + mantissa), 1.0).masked_fill_(top.isinf(), math.inf)
+
+
+def sample_sumsq(g: PerSampleRows, scale: Tensor) -> Tensor:
+    """[B] ``SampleNorms.sumsq`` for ``scale`` (``sample_scale(g)``, or larger: a row-sharded sample's)."""
+    return _sumsq(g, _unit(g, scale))
+
+
+def sample_norms(g: PerSampleRows) -> SampleNorms:
+    scale = sample_scale(g)
+    return SampleNorms(scale, sample_sumsq(g, scale))
+
+
+def clip_per_sample(
+    g: PerSampleRows, *, clip1: float, norms: SampleNorms | None = None
+) -> tuple[PerSampleRows, ClipInfo]:
+    """Scale each sample's whole gradient (all its rows) to L2 norm at most ``clip1``. A sample with a non-finite
+    entry (NaN, ±inf) becomes all zeros: a function of that sample alone, so the sensitivity is unchanged.
+
+    ``norms`` (default: ``g``'s own) may describe samples larger than ``g`` (a row-sharded sample: scale and sumsq
+    combined over every shard), so that the clip sees each sample's whole gradient.
 
     Returns:
-        The clipped ``PerSampleRows`` (same rows/offsets) and [B] bool: was the sample's norm > clip1.
+        The clipped ``PerSampleRows`` (same rows/offsets; unclipped finite samples bit-identical, bar entries
+        below 2^-126 (float32) of the sample's largest) and ``ClipInfo``.
     """
-    sq = torch.linalg.vector_norm(g.values, dim=1).square_()  # [nnz]
-    sq_norms = torch.segment_reduce(sq, "sum", offsets=g.offsets)  # [B]; an empty sample -> 0
-    ratio = sq_norms / (clip1 * clip1)
-    was_clipped = ratio > 1
-    factor = ratio.clamp_(min=1.0).rsqrt_()  # min(1, clip1 / norm); exactly 1 for unclipped samples
-    per_pair = torch.repeat_interleave(factor, g.offsets.diff(), output_size=g.values.shape[0])
-    values = g.values * per_pair.unsqueeze(1)
-    return PerSampleRows(values=values, rows=g.rows, offsets=g.offsets, num_rows=g.num_rows), was_clipped
+    scale = sample_scale(g) if norms is None else norms.scale
+    unit = _unit(g, scale)  # [nnz, D] entry / scale: |.| < 2 for finite samples; 0 or NaN for non-finite ones
+    sumsq = _sumsq(g, unit) if norms is None else norms.sumsq
+    root = sumsq.sqrt()
+    nonfinite = scale.isinf()
+    clipped = ~nonfinite & (scale * root > clip1)  # the product may overflow to inf: clipped all the same
+    # clipped: unit · S1 / sqrt(sumsq); kept: unit · scale (exact); non-finite: unit · inf, NaN -> 0
+    factor = torch.where(clipped, clip1 / root, scale)
+    values = unit.mul_(_per_pair(factor, g).unsqueeze(1)).nan_to_num_(nan=0.0)  # finite samples have no NaN
+    return PerSampleRows(values, g.rows, g.offsets, g.num_rows), ClipInfo(clipped, nonfinite)
+
+
+def _unit(g: PerSampleRows, scale: Tensor) -> Tensor:
+    return g.values / _per_pair(scale, g).unsqueeze(1)
+
+
+def _sumsq(g: PerSampleRows, unit: Tensor) -> Tensor:
+    sq = torch.linalg.vector_norm(unit, dim=1).nan_to_num_(nan=0.0).square_()  # non-finite samples: 0, not NaN
+    return torch.segment_reduce(sq, "sum", offsets=g.offsets)
+
+
+def _per_pair(x: Tensor, g: PerSampleRows) -> Tensor:
+    """[B] -> [nnz]: each (sample, row) pair gets its sample's value."""
+    return torch.repeat_interleave(x, g.offsets.diff(), output_size=g.values.shape[0])
 
 
 def aggregate(g: PerSampleRows, *, batch_size: float) -> tuple[Tensor, Tensor]:

@@ -16,8 +16,9 @@ One step (``ShardedRecsys.per_sample_rows`` then ``distributed_dp_step``):
 1. partial pooled embeddings from own rows -> all_reduce(SUM): every rank has the full pooled [B, F, D];
 2. the head (closed form, ``widedp.models.recsys.head_grads``) runs on every rank: identical loss, pooled
    gradients and per-sample MLP gradients everywhere (redundant MLP compute, no communication);
-3. per-sample rows of OWN rows only; each sample's squared norm = all_reduce(own parts) + its MLP part, so the S1
-   clip sees the sample's FULL gradient across shards;
+3. per-sample rows of OWN rows only; each sample's norm (``widedp.clipping.SampleNorms``: scale = all_reduce(MAX)
+   of the parts' scales, sumsq = all_reduce(own parts) + its MLP part) is its FULL gradient's across shards, so
+   the S1 clip, and the zeroing of a sample with a NaN or an inf in any shard, match the single process;
 4. selection over the embedding rows. Exponential mechanism: each rank perturbs its own rows' scores with Gumbel
    keys from its own generator (its untouched rows through the order-statistics trick over its own rows), keeps
    its local top k, all_gathers the k candidates; the top k of the union is the top k of independent Gumbel keys
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
-from widedp.clipping import aggregate, restrict
+from widedp.clipping import SampleNorms, aggregate, clip_per_sample, restrict, sample_scale, sample_sumsq
 from widedp.models.recsys import RecsysBatch, RecsysModel, dense_layers, entry_grads, head_grads, head_logits
 from widedp.noise import exponential, gaussian_noise, gumbel, sensitivity
 from widedp.optim import RowOptimizer
@@ -224,6 +225,7 @@ class DistStepResult:
     grad: SparseRows
     selected: Tensor
     spend: StepSpend
+    nonfinite: Tensor  # 0-dim: samples zeroed for a NaN or an inf (``widedp.step.StepStats.nonfinite``)
 
 
 def _all_gather_var(t: Tensor) -> Tensor:
@@ -285,15 +287,17 @@ def distributed_dp_step(local: PerSampleRows, g_dense: Tensor, shard: RowShard, 
         shared_generator: seeded identically on every rank (data-independent and gathered selections).
     """
     R, A, D = shard.num_rows, shard.num_dense_rows, g_dense.shape[2]
-    sq = torch.segment_reduce(local.values.square().sum(1), "sum", offsets=local.offsets)  # [B] own parts
-    dist.all_reduce(sq)
-    sq += g_dense.square().sum((1, 2))  # the MLP part, counted once
-    factor = (sq / (clip1 * clip1)).clamp_(min=1.0).rsqrt_()
-    clipped = PerSampleRows(local.values * torch.repeat_interleave(factor, local.offsets.diff(),
-                                                                   output_size=local.values.shape[0]).unsqueeze(1),
-                            local.rows, local.offsets, R)
+    B = g_dense.shape[0]
+    dense = PerSampleRows(g_dense.reshape(B * A, D), torch.arange(R, R + A, device=g_dense.device).repeat(B),
+                          torch.arange(B + 1, device=g_dense.device) * A, R + A)  # the MLP rows, replicated
+    scale = torch.maximum(sample_scale(local), sample_scale(dense))  # [B]; +inf: a non-finite entry
+    dist.all_reduce(scale, op=dist.ReduceOp.MAX)
+    sumsq = sample_sumsq(local, scale)  # [B] own parts
+    dist.all_reduce(sumsq)
+    norms = SampleNorms(scale, sumsq + sample_sumsq(dense, scale))  # the MLP part, counted once
+    clipped, clip = clip_per_sample(local, clip1=clip1, norms=norms)
     touched, ghat = aggregate(clipped, batch_size=batch_size)
-    ghat_dense = (g_dense * factor.view(-1, 1, 1)).sum(0) / batch_size  # [A, D]
+    ghat_dense = clip_per_sample(dense, clip1=clip1, norms=norms)[0].values.view(B, A, D).sum(0) / batch_size
 
     s0 = selector.score_clip
     score_sens = 0.0 if s0 is None else min(s0, clip1 / batch_size)
@@ -328,7 +332,7 @@ def distributed_dp_step(local: PerSampleRows, g_dense: Tensor, shard: RowShard, 
     dense_ids = torch.arange(R, R + A, device=sel.device)
     grad = SparseRows(torch.cat([own_sel, dense_ids]), torch.cat([delta, ghat_dense + dense_noise]), R + A)
     spend = StepSpend(sampling_rate, (GaussianSpend(noise_multiplier, d2), sel_spend))
-    return DistStepResult(grad, torch.cat([sel, dense_ids]), spend)
+    return DistStepResult(grad, torch.cat([sel, dense_ids]), spend, clip.nonfinite.sum())
 
 
 def apply_update(model: ShardedRecsys, optimizer: RowOptimizer, grad: SparseRows) -> None:

@@ -19,14 +19,16 @@ class StepStats:
     """Diagnostics of one step, kept as 0-dim tensors (no host sync in the step); ``as_floats`` for logging.
 
     rows_selected: k. touched_share: share of the selected rows the batch touched. clipped1: fraction of samples
-    clipped at S1. clipped2: was Δ̂ clipped at S2. noise_norm: L2 norm of all the noise added.
+    clipped at S1. clipped2: was Δ̂ clipped at S2. nonfinite: number of samples whose gradient had a NaN or an inf
+    and so contributed zero. Nothing here is computed from the noise: the noise's norm together with one released
+    value tells membership apart (issue 16), so it is neither computed nor logged.
     """
 
     rows_selected: int
     touched_share: Tensor
     clipped1: Tensor
     clipped2: Tensor
-    noise_norm: Tensor
+    nonfinite: Tensor
 
     def as_floats(self) -> dict[str, float]:
         return {
@@ -34,7 +36,7 @@ class StepStats:
             "touched_share": float(self.touched_share),
             "clipped1": float(self.clipped1),
             "clipped2": float(self.clipped2),
-            "noise_norm": float(self.noise_norm),
+            "nonfinite": float(self.nonfinite),
         }
 
 
@@ -63,9 +65,9 @@ def dp_step(
 ) -> StepResult:
     """One DP step on a Poisson(q) batch of per-sample row gradients (B may be 0).
 
-    clip each sample at S1 -> ĝ = (1/b) Σ_j (b the expected batch size) -> scores u_r = min(||ĝ_r||, S0) ->
-    select rows M among ALL R rows (Δu = min(S0, S1/b)) -> Δ̂ = clip_S2(M ⊙ ĝ) -> + N(0, (σΔ₂)²) on every
-    coordinate of every selected row, Δ₂ = min(S1/b, 2·S2).
+    clip each sample at S1 (a sample with a NaN or an inf contributes zero) -> ĝ = (1/b) Σ_j (b the expected
+    batch size) -> scores u_r = min(||ĝ_r||, S0) -> select rows M among ALL R rows (Δu = min(S0, S1/b)) ->
+    Δ̂ = clip_S2(M ⊙ ĝ) -> + N(0, (σΔ₂)²) on every coordinate of every selected row, Δ₂ = min(S1/b, 2·S2).
 
     ``always_rows`` A (default: ``g.always_rows`` when ``g`` carries one, e.g. a recommender's dense MLP stored as
     rows, else 0): the last A rows [R − A, R) are selected every step besides the mechanism's picks, and the
@@ -74,7 +76,7 @@ def dp_step(
     the spend are unchanged. A = 0 is exactly the step without this option.
     """
     n_always = getattr(g, "always_rows", 0) if always_rows is None else always_rows
-    clipped, was_clipped = clip_per_sample(g, clip1=clip1)
+    clipped, clip = clip_per_sample(g, clip1=clip1)  # nothing non-finite from here on
     touched, ghat = aggregate(clipped, batch_size=batch_size)  # [U], [U, D]
     sel_rows, sel_touched, sel_ghat = g.num_rows - n_always, touched, ghat
     if n_always:
@@ -100,13 +102,13 @@ def dp_step(
         delta.shape, std=noise_multiplier * d2, generator=generator, device=delta.device, dtype=delta.dtype
     )
 
-    k, b = selected.numel(), was_clipped.numel()
+    k, b = selected.numel(), g.batch_size
     stats = StepStats(
         rows_selected=k,
         touched_share=hit.sum() / max(k, 1),
-        clipped1=was_clipped.sum() / max(b, 1),
+        clipped1=clip.clipped.sum() / max(b, 1),
         clipped2=clipped2,
-        noise_norm=torch.linalg.vector_norm(noise),
+        nonfinite=clip.nonfinite.sum(),
     )
     spend = StepSpend(sampling_rate, (GaussianSpend(noise_multiplier, d2), selection_spend))
     return StepResult(SparseRows(selected, delta + noise, g.num_rows), selected, spend, stats)
