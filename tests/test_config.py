@@ -14,6 +14,7 @@ def test_defaults_and_preset():
     cfg = config_from_dict({})
     assert cfg.data.vocab_size == 1000 and cfg.data.splits == (200_000, 100_000, 200_000)
     assert cfg.dp is None
+    assert config_from_dict(cfg.to_dict()) == cfg  # to_dict writes dp: null for non-private
     cfg = config_from_dict({"data": {"preset": "brown_10k"}})
     assert cfg.data.vocab_size == 10_000
 
@@ -58,6 +59,25 @@ def test_round_trip_and_hash():
         ({"dp": {"calibrate": "noise_multiplier", "selection": {"name": "all"}}}, "needs dp.target_epsilon"),
         ({"dp": {"target_epsilon": 3, "calibrate": "selection_epsilon", "selection": {"name": "all"}}},
          "data-dependent selection"),
+        # wrong section types used to be tracebacks (TypeError / ValueError) or silently the defaults
+        ({"data": [1, 2]}, "data: expected a mapping, got list [1, 2]"),
+        ({"data": "brown"}, "data: expected a mapping, got str 'brown'"),
+        ({"task": ["cbow"]}, "task: expected one of cbow, recsys, glm, got ['cbow']"),
+        ({"task": None}, "task: expected one of"),
+        ({"dp": {"selection": {"name": ["exponential"]}}}, "dp.selection.name: expected one of"),
+        ({"dp": {"selection": "all"}}, "dp.selection: expected a mapping, got str 'all'"),
+        ({"dp": 1}, "dp: expected a mapping, got int 1"),
+        ({"train": 5}, "train: expected a mapping, got int 5"),
+        ({"train": False}, "train: expected a mapping, got bool False"),
+        ({"task": "glm", "algorithm": []}, "algorithm: expected a mapping, got list []"),
+        ({"data": {"preset": {"a": 1}}}, "data.preset: unknown preset {'a': 1}"),
+        ({"train": {"lr": float("nan")}}, "train.lr: expected a finite number, got nan"),
+        ({"train": {"lr": 10**400}}, "train.lr: expected a finite number"),
+        ({"train": {"epochs": "x" * 10_000}}, "train.epochs: expected an integer, got 'xxxxxxxxxx"),
+        ({("a", 1): 1}, "('a', 1): unknown key"),
+        ({"data": {"corpus": "text:~no_such_user_widedp/x.txt"}}, "data: invalid value (RuntimeError"),
+        # a present-but-empty dp.selection: (keys all commented out); dp: null is refused by load_config
+        ({"dp": {"selection": None}}, "dp.selection: is present but empty"),
     ],
 )
 def test_errors_name_the_key(raw, needle):
@@ -80,3 +100,13 @@ def test_load_config_files_and_overrides(tmp_path):
     assert cfg.train.epochs == 5 and cfg.dp.noise_multiplier == 0.7 and cfg.dp.selection.name == "all"
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         load_config(good, ["train.epochs"])
+
+
+def test_errors_are_short_and_raw_is_not_modified():
+    raw = {"train": {"epochs": list(range(10_000))}, "dp": {"selection": {"name": "all"}}}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    assert len(str(e.value)) < 200
+    assert raw == {"train": {"epochs": list(range(10_000))}, "dp": {"selection": {"name": "all"}}}
+    with pytest.raises(ConfigError, match="config: expected a mapping, got list"):
+        config_from_dict([("train", {})])  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ A training config has four sections::
     data:  {preset, corpus, vocab_size, window, negatives, sample_shape, splits, seed, ...}   -> DataConfig
     model: {dim, tied, sparse, init_scale}                                                      -> ModelConfig
     train: {epochs, batch_size, optimizer, lr, seed, ...}                                       -> TrainConfig
-    dp:    {clip1, clip2, noise_multiplier, delta, secure_rng, selection: {name: ..., ...}}     -> DPConfig | None
+    dp:    {clip1, clip2, noise_multiplier, delta, rng, selection: {name: ..., ...}}            -> DPConfig | None
 
 ``--set a.b.c=value`` overrides are applied to the raw mapping before validation (value parsed as YAML).
 """
@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from widedp.configtools import (
     apply_override,
     build,
@@ -31,6 +29,9 @@ from widedp.configtools import (
     no_unknown,
     nonneg,
     positive,
+    read_config_file,
+    section,
+    show,
 )
 from widedp.errors import ConfigError
 
@@ -135,7 +136,8 @@ class TrainConfig:
         optimizer: non-private: ``sgd`` | ``adam`` (dense) | ``sparse_adam``; DP: ``sgd`` | ``lazy_adam`` (updates
             only selected rows' moments) | ``adam`` (dense moments, the paper's).
         lr: learning rate. betas, eps: Adam's.
-        seed: seeds the model init, batches, selection and noise (unless dp.secure_rng).
+        seed: seeds the model init (public); with ``dp.rng: reproducible`` also the batches, selection and
+            noise (then the run is NOT private).
         device: ``auto`` (CUDA when available) | ``cpu`` | ``cuda`` | ``cuda:N``.
         threads: torch intra-op threads (0 = leave torch's default).
         log_every: steps between logged statistics. checkpoint_every: steps between checkpoints (0 = only at the
@@ -293,8 +295,10 @@ class DPConfig:
         clip2: S2, L2 clip of the selected gradient (null = no second clip).
         noise_multiplier: sigma, relative to the sensitivity min(S1/b, 2*S2) of the selected gradient.
         delta: the delta of the reported (epsilon, delta).
-        secure_rng: draw selection and noise from a generator seeded by the OS CSPRNG (runs not reproducible).
-        accountant: ``pld`` (headline) | ``rdp`` | ``paper`` (the paper's Theorem 3; not a valid bound).
+        rng: ``secure`` (default: sampling, selection and noise seeded from the OS CSPRNG, seeds kept only in
+            RUN/private/) | ``reproducible`` (derived from train.seed, for tests and debugging: NOT private).
+        accountant: ``pld`` (headline) | ``rdp``. (``paper``, the paper's Theorem 3, is refused: not a valid bound;
+            ``widedp epsilon`` shows its figure as a labelled reference.)
         target_epsilon: stop training before the spent epsilon would exceed it (and calibrate, see ``calibrate``).
         calibrate: with target_epsilon: ``none`` | ``noise_multiplier`` (solve sigma) | ``selection_epsilon``.
         selection: the row-selection mechanism, ``{name: exponential | sparse_vector | uniform |
@@ -307,8 +311,8 @@ class DPConfig:
     clip2: float | None = 1.0
     noise_multiplier: float = 0.5
     delta: float = 1e-5
-    secure_rng: bool = False
-    accountant: Literal["pld", "rdp", "paper"] = "pld"
+    rng: Literal["secure", "reproducible"] = "secure"
+    accountant: Literal["pld", "rdp", "paper"] = "pld"  # "paper" only to refuse it with its reason (__post_init__)
     target_epsilon: float | None = None
     calibrate: Literal["none", "noise_multiplier", "selection_epsilon"] = "none"
     selection: SelectionConfig = field(default_factory=ExponentialSelectionConfig)
@@ -319,6 +323,11 @@ class DPConfig:
             raise ConfigError(
                 f"dp.engine: opacus runs DP-SGD only (dp.selection.name: all), not {self.selection.name!r}"
             )
+        if self.accountant == "paper":
+            raise ConfigError("dp.accountant: paper (the paper's Theorem 3) is not a valid DP bound (it under-reports, "
+                              "e.g. q=0.01, T=1, sigma=0.2: 5.8 vs a true eps >= 22.6) and cannot drive a run; use pld "
+                              "or rdp. Its figure is shown, labelled, as paper_theorem3_reference_NOT_A_BOUND in "
+                              "`widedp epsilon CONFIG --set dp.accountant=pld`")
         positive("dp.clip1", self.clip1)
         if self.clip2 is not None:
             positive("dp.clip2", self.clip2)
@@ -364,18 +373,8 @@ class Config:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config, apply ``key.path=value`` overrides, and validate it."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark else ""
-        raise ConfigError(f"{path}: invalid YAML{where}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping at top level")
+    """Read a YAML config (UTF-8, no repeated keys), apply ``key.path=value`` overrides, and validate it."""
+    raw = read_config_file(path)
     for ov in overrides:
         apply_override(raw, ov)
     return config_from_dict(raw)
@@ -393,45 +392,52 @@ TASK_MODULES: dict[str, str] = {
 def _task_types(task: Any) -> tuple[type, type, dict[str, dict[str, Any]], type | None]:
     if task == "cbow":
         return DataConfig, ModelConfig, DATA_PRESETS, None
-    if task not in TASK_MODULES:
-        raise ConfigError(f"task: expected one of cbow, {', '.join(TASK_MODULES)}, got {task!r}")
+    if not isinstance(task, str) or task not in TASK_MODULES:
+        raise ConfigError(f"task: expected one of cbow, {', '.join(TASK_MODULES)}, got {show(task)}")
     import importlib
 
     mod = importlib.import_module(TASK_MODULES[task])
     return mod.DATA_CONFIG, mod.MODEL_CONFIG, mod.DATA_PRESETS, getattr(mod, "ALGORITHM_CONFIG", None)
 
 
+def _dp_config(dp_raw: Any) -> DPConfig | None:
+    """The ``dp:`` section; null = non-private (as ``Config.to_dict`` writes it; a file's ``dp:`` given no value at
+    all, its keys commented out, is refused by ``read_config_file``)."""
+    if dp_raw is None:
+        return None
+    expect_mapping("dp", dp_raw)
+    dp_raw = dict(dp_raw)
+    if "secure_rng" in dp_raw:
+        raise ConfigError("dp.secure_rng: removed; the randomness is secret by default "
+                          "(dp.rng: reproducible asks for a seeded, NOT private run)")
+    sel_raw = dp_raw.pop("selection", {"name": "exponential"})
+    if sel_raw is None:
+        raise ConfigError(f"dp.selection: is present but empty; give its name ({' | '.join(SELECTIONS)}) and keys")
+    expect_mapping("dp.selection", sel_raw)
+    name = sel_raw.get("name")
+    if not isinstance(name, str) or name not in SELECTIONS:
+        raise ConfigError(f"dp.selection.name: expected one of {', '.join(SELECTIONS)}, got {show(name)}")
+    return build("dp", DPConfig, dp_raw, selection=build("dp.selection", SELECTIONS[name], sel_raw))
+
+
 def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Validate a raw config mapping (as read from YAML); anything wrong is a one-line ``ConfigError``."""
+    expect_mapping("config", raw)
     task = raw.get("task", "cbow")
     data_cls, model_cls, presets, algo_cls = _task_types(task)
     sections = {"task", "data", "model", "train", "dp"} | ({"algorithm"} if algo_cls else set())
     no_unknown("", raw, sections)
-    data_raw = dict(raw.get("data") or {})
-    expect_mapping("data", data_raw)
+    data_raw = section(raw, "data")
     if presets:
         preset = data_raw.get("preset", next(iter(presets)))
-        if preset not in presets:
-            raise ConfigError(f"data.preset: unknown preset {preset!r} (expected one of {', '.join(presets)})")
+        if not isinstance(preset, str) or preset not in presets:
+            raise ConfigError(f"data.preset: unknown preset {show(preset)} (expected one of {', '.join(presets)})")
         data_raw = {**presets[preset], **data_raw}
-    dp_raw = raw.get("dp")
-    dp = None
-    if dp_raw is not None:
-        expect_mapping("dp", dp_raw)
-        dp_raw = dict(dp_raw)
-        sel_raw = dp_raw.pop("selection", {"name": "exponential"})
-        expect_mapping("dp.selection", sel_raw)
-        name = sel_raw.get("name")
-        if name not in SELECTIONS:
-            raise ConfigError(f"dp.selection.name: expected one of {', '.join(SELECTIONS)}, got {name!r}")
-        selection = build("dp.selection", SELECTIONS[name], sel_raw)
-        dp = build("dp", DPConfig, dp_raw, selection=selection)
     return Config(
         data=build("data", data_cls, data_raw),
-        model=build("model", model_cls, raw.get("model") or {}),
-        train=build("train", TrainConfig, raw.get("train") or {}),
-        dp=dp,
+        model=build("model", model_cls, section(raw, "model")),
+        train=build("train", TrainConfig, section(raw, "train")),
+        dp=_dp_config(raw.get("dp")),
         task=task,
-        algorithm=build("algorithm", algo_cls, raw.get("algorithm") or {}) if algo_cls else None,
+        algorithm=build("algorithm", algo_cls, section(raw, "algorithm")) if algo_cls else None,
     )
-
-

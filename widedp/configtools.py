@@ -1,8 +1,9 @@
-"""Typed mappings to frozen dataclasses, and the validators config dataclasses share.
+"""Typed mappings to frozen dataclasses, the validators config dataclasses share, and strict YAML reading.
 
 ``build(section, cls, raw)`` checks every key of ``raw`` against ``cls``'s fields and coerces values by the type
 hints (Literal, unions with None, tuples, bool/int/float/str): a wrong key, type or value raises ``ConfigError``
-naming ``section.key`` in one line.
+naming ``section.key`` in one line. ``read_config_file`` / ``apply_override`` read a YAML file (UTF-8, no repeated
+keys) and ``--set KEY=VALUE`` overrides into the raw mapping ``widedp.config.config_from_dict`` validates.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -18,6 +21,22 @@ from typing import Any, Literal
 import yaml
 
 from widedp.errors import ConfigError
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlong = 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 4
+_REPR.maxlevel = 3
+
+
+def show(v: Any) -> str:
+    """A short one-line repr of a (possibly huge or recursive) value, for error messages."""
+    return _REPR.repr(v)
+
+
+def key_name(k: Any) -> str:
+    """A mapping key as it appears in a message: plain if a short printable string, else its short repr."""
+    return k if isinstance(k, str) and k and k.isprintable() and len(k) <= 60 else show(k)
 
 
 def check_splits(splits: tuple[float, ...]) -> None:
@@ -44,26 +63,6 @@ def data_cache_key(cfg: Any, file: str | None = None) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# ---------------------------------------------------------------------------------------------------------- model
-
-
-def apply_override(raw: dict[str, Any], override: str) -> None:
-    """Apply ``a.b.c=value`` (value parsed as YAML) to a raw config mapping in place."""
-    if "=" not in override:
-        raise ConfigError(f"--set {override!r}: expected KEY=VALUE")
-    key, value = override.split("=", 1)
-    parts = key.strip().split(".")
-    node = raw
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {key}: {part} is not a section")
-    try:
-        node[parts[-1]] = yaml.safe_load(value)
-    except yaml.YAMLError:
-        raise ConfigError(f"--set {key}: cannot parse value {value!r}") from None
-
-
 def build(section: str, cls: type, raw: Any, **extra: Any) -> Any:
     """Construct dataclass ``cls`` from a mapping, checking keys and types (ints accepted for floats)."""
     expect_mapping(section, raw)
@@ -76,8 +75,12 @@ def build(section: str, cls: type, raw: Any, **extra: Any) -> Any:
     kwargs.update(extra)
     try:
         return cls(**kwargs)
-    except TypeError as e:  # pragma: no cover - missing required fields
-        raise ConfigError(f"{section}: {e}") from None
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, ArithmeticError, RuntimeError, OSError) as e:
+        # a validator tripped on an odd value (e.g. a "~nosuchuser/..." path): still one line naming the section
+        detail = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(f"{section or 'config'}: invalid value ({type(e).__name__}: {detail})") from None
 
 
 def _coerce(key: str, v: Any, tp: Any) -> Any:
@@ -94,16 +97,16 @@ def _coerce(key: str, v: Any, tp: Any) -> Any:
                 return _coerce(key, v, a)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key}: invalid value {v!r}")
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {show(v)}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         if v not in allowed:
-            raise ConfigError(f"{key}: expected one of {', '.join(map(str, allowed))}, got {v!r}")
+            raise ConfigError(f"{key}: expected one of {', '.join(map(str, allowed))}, got {show(v)}")
         return v
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(v, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {v!r}")
+            raise ConfigError(f"{key}: expected a list, got {show(v)}")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_coerce(key, x, args[0]) for x in v)
         if len(v) != len(args):
@@ -111,36 +114,52 @@ def _coerce(key: str, v: Any, tp: Any) -> Any:
         return tuple(_coerce(key, x, a) for x, a in zip(v, args))
     if tp is bool:
         if not isinstance(v, bool):
-            raise ConfigError(f"{key}: expected true/false, got {v!r}")
+            raise ConfigError(f"{key}: expected true/false, got {show(v)}")
         return v
     if tp is int:
         if isinstance(v, bool) or not isinstance(v, int):
             if isinstance(v, float) and v.is_integer():
                 return int(v)
-            raise ConfigError(f"{key}: expected an integer, got {v!r}")
+            raise ConfigError(f"{key}: expected an integer, got {show(v)}")
         return v
     if tp is float:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {v!r}")
+            raise ConfigError(f"{key}: expected a number, got {show(v)}")
+        try:
+            finite = math.isfinite(v)
+        except OverflowError:  # an int too large for a float
+            finite = False
+        if not finite:
+            raise ConfigError(f"{key}: expected a finite number, got {show(v)}")
         # keep ints as ints where that carries meaning (split sizes); floats otherwise
         return v
     if tp is str:
         if not isinstance(v, str):
-            raise ConfigError(f"{key}: expected a string, got {v!r}")
+            raise ConfigError(f"{key}: expected a string, got {show(v)}")
         return v
-    raise ConfigError(f"{key}: unsupported value {v!r}")  # pragma: no cover
+    raise ConfigError(f"{key}: unsupported value {show(v)}")  # pragma: no cover
 
 
 def no_unknown(section: str, raw: dict[str, Any], allowed: set[str]) -> None:
     for k in raw:
         if k not in allowed:
-            where = f"{section}.{k}" if section else str(k)
+            where = f"{section}.{key_name(k)}" if section else key_name(k)
             raise ConfigError(f"{where}: unknown key (expected one of {', '.join(sorted(allowed))})")
 
 
 def expect_mapping(section: str, raw: Any) -> None:
     if not isinstance(raw, dict):
-        raise ConfigError(f"{section}: expected a mapping, got {raw!r}")
+        got = "null" if raw is None else f"{type(raw).__name__} {show(raw)}"
+        raise ConfigError(f"{section or 'config'}: expected a mapping, got {got}")
+
+
+def section(raw: dict[str, Any], key: str) -> dict[str, Any]:
+    """A copy of the mapping ``raw[key]``; absent or null (every key commented out) = ``{}``."""
+    v = raw.get(key)
+    if v is None:
+        return {}
+    expect_mapping(key, v)
+    return dict(v)
 
 
 def positive(key: str, v: float) -> None:
@@ -160,3 +179,153 @@ def k_or_gamma(section: str, k: int | None, gamma: float | None) -> None:
         raise ConfigError(f"{section}.k: must be > 0, got {k}")
     if gamma is not None and not 0 < gamma <= 1:
         raise ConfigError(f"{section}.gamma: must be in (0, 1], got {gamma}")
+
+
+# ------------------------------------------------------------------------------------------- YAML files and --set
+
+
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping key given twice, at any depth (PyYAML keeps the last silently):
+    ``ConfigError("dp.noise_multiplier: duplicate key (line 9; first at line 5)")``. Keys merged in by ``<<:`` may
+    be overridden, as YAML intends. ``empty_keys``: the dotted keys given no value at all (``dp:`` with its keys
+    commented out), as opposed to an explicit ``null``."""
+
+    empty_keys: set[str]
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._check_keys(node)
+        return super().construct_document(node)
+
+    def _check_keys(self, root: yaml.Node) -> None:
+        self.empty_keys = set()
+        todo: list[tuple[yaml.Node, str]] = [(root, "")]
+        seen_nodes: set[int] = set()
+        while todo:  # iterative, and each node once: anchors/aliases may share or nest nodes
+            node, path = todo.pop()
+            if id(node) in seen_nodes:
+                continue
+            seen_nodes.add(id(node))
+            if isinstance(node, yaml.SequenceNode):
+                todo.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
+                continue
+            if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null" and node.value == "":
+                self.empty_keys.add(path)
+            if not isinstance(node, yaml.MappingNode):
+                continue
+            first: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    todo.append((value_node, path))
+                    continue
+                name = "?"
+                if isinstance(key_node, yaml.ScalarNode):
+                    key = self.construct_object(key_node)
+                    name = key_name(key)
+                    try:
+                        line = first.get(key)
+                    except TypeError:  # unhashable: SafeLoader reports it
+                        line = None
+                    else:
+                        first.setdefault(key, key_node.start_mark.line)
+                    if line is not None:
+                        raise ConfigError(f"{path + '.' if path else ''}{name}: duplicate key "
+                                          f"(line {key_node.start_mark.line + 1}; first at line {line + 1})")
+                todo.append((value_node, f"{path}.{name}" if path else name))
+
+
+def parse_yaml(text: str, empty_keys: set[str] | None = None) -> Any:
+    """``text`` as YAML with ``StrictLoader`` (adding its ``empty_keys`` to ``empty_keys``); any failure is a one-line
+    ``ConfigError`` (PyYAML's constructors also raise ValueError, KeyError, AttributeError, RecursionError, ...)."""
+    loader = None
+    try:
+        loader = StrictLoader(text)  # (its reader already checks the characters)
+        data = loader.get_single_data()
+        if empty_keys is not None:
+            empty_keys.update(getattr(loader, "empty_keys", ()))
+        return data
+    except ConfigError:
+        raise
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(f"invalid YAML ({where}{' '.join(str(e.problem or e.context).split())})") from None
+    except yaml.reader.ReaderError as e:
+        ch = chr(e.character) if isinstance(e.character, int) else e.character
+        raise ConfigError(f"invalid YAML (character {ch!r} at offset {e.position} is not allowed)") from None
+    except RecursionError:
+        raise ConfigError("invalid YAML (nested too deeply)") from None
+    except Exception as e:  # see the docstring
+        raise ConfigError(f"invalid YAML ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The top-level mapping of a YAML config file; a missing, unreadable, binary, non-UTF-8, empty or non-mapping
+    file, invalid YAML, a repeated key or a ``dp:`` given no value is a ``ConfigError`` starting with the path."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the file ({e.strerror or e})") from None
+    if b"\0" in data:
+        raise ConfigError(f"{path}: not a UTF-8 text file (a NUL byte at offset {data.index(0)})")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+    empty: set[str] = set()
+    try:
+        raw = parse_yaml(text, empty)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    if raw is None:
+        raise ConfigError(f"{path}: the file is empty (expected a mapping of sections: task, data, model, train, "
+                          "dp, ...)")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at top level, got {type(raw).__name__} "
+                          f"{show(raw)}")
+    if "dp" in empty:  # its keys commented out: null, which config_from_dict (and to_dict) take for non-private
+        raise ConfigError(f"{path}: dp: is present but empty; give its keys (at least selection: {{name: ...}}) or "
+                          "remove it for non-private training (or write dp: null)")
+    return raw
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Apply ``--set a.b.c=value`` (value parsed as YAML) to a raw config mapping in place.
+
+    Missing or null sections on the path are created; the mappings on the path are copied first (so YAML aliases
+    elsewhere in the file are untouched). Setting ``dp.selection.name`` to a different mechanism replaces the section
+    with ``{name: NEW}`` (the new mechanism's defaults: the old one's keys mean other things or nothing there);
+    overrides after it then fill it in: ``--set dp.selection.name=uniform --set dp.selection.k=1``.
+    """
+    if not isinstance(override, str) or "=" not in override:
+        raise ConfigError(f"--set {show(override)}: expected KEY=VALUE (e.g. train.epochs=5)")
+    key, text = override.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set {show(override)}: the key before '=' is empty (expected KEY=VALUE)")
+    shown = key_name(key)
+    parts = [part.strip() for part in key.split(".")]
+    if not all(parts):
+        raise ConfigError(f"--set {shown}: empty part in the key path (expected a.b.c=VALUE)")
+    if parts == ["dp"] and not text.strip():  # as a file's bare dp: (write dp=null for non-private training)
+        raise ConfigError("--set dp: no value; give dp=null for non-private training, or set dp.KEY=VALUE")
+    try:
+        value = parse_yaml(text)
+    except ConfigError as e:
+        raise ConfigError(f"--set {shown}: cannot parse value {show(text)} ({e})") from None
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"--set {shown}: {'.'.join(parts[:i + 1])} is not a section (it is {show(child)})")
+        if parts[: i + 2] == ["dp", "selection", "name"] and child.get("name", value) != value:
+            child = {}  # a different mechanism: start from its defaults
+        node[part] = node = dict(child)
+    node[parts[-1]] = value
