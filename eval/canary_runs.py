@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from widedp import rundir
 from widedp.checkpoint import CHECKPOINT, load_checkpoint, read_json, write_json
 from widedp.config import Config, DataConfig
 from widedp.errors import ConfigError
@@ -179,6 +180,7 @@ def train_canary_run(cfg: Config, run_dir: Path, *, label: str, n_c: int, num_ca
             old = {}
         keys = ("config_hash", "canaries", "controls", "n_c", "inserted")
         resume = isinstance(old, dict) and all(old.get(k) == info[k] for k in keys)
+    rundir.prepare(run_dir, resume=resume, overwrite=True)  # a run with other canaries or config is replaced
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(path, info)
     train(run_cfg, run_dir, resume=resume, progress=progress, data=data)
@@ -232,6 +234,7 @@ def evaluate_run(run: CanaryRun, *, num_candidates: int, bins: int, seed: int, n
         s = json.loads(summary.read_text())
         out["private"] = bool(s.get("private"))
         out["epsilon"] = (s.get("dp") or {}).get("epsilon")
+        out["privacy"] = (s.get("privacy") or {}).get("text")  # ε with its unit, δ and what it does not cover
         out["valid_loss"] = s.get("valid_loss")
     out["seconds"] = time.perf_counter() - t0
     return out
@@ -258,7 +261,7 @@ def write_report(results: list[dict[str, Any]], out_dir: Path, *, num_candidates
 
 
 def _row(r: dict[str, Any]) -> dict[str, Any]:
-    row = {"label": r["label"], "n_c": r["n_c"], "epsilon": r.get("epsilon")}
+    row = {"label": r["label"], "n_c": r["n_c"], "epsilon": r.get("epsilon"), "privacy": r.get("privacy")}
     for key in ("canaries", "controls"):
         s = r[key]
         row[key] = {"chi2": s["chi2"], "chi2_distance": s["chi2_distance"], "p_value": s["p_value"],

@@ -32,7 +32,7 @@ def test_nonprivate_brown_smoke(tmp_path, brown_cache, capsys):
     assert (out / "loss.png").stat().st_size > 1000
     assert (out / "checkpoint.pt").exists()
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["kind"] for x in lines][:2] == ["start", "interval"]
+    assert [x["kind"] for x in lines][:3] == ["notice", "start", "interval"]
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["steps"] == 400
 
@@ -52,8 +52,9 @@ def test_dp_brown_smoke_each_mechanism(tmp_path, brown_cache, selection):
     if selection == "exponential":  # the check: a short DP-sparse run lowers the validation loss
         assert summary["valid_loss"] < summary["initial_valid_loss"] - 0.005
     rec = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"interval"' in x]
-    for key in ("rows_selected", "touched_share", "clipped1", "clipped2", "noise_norm"):
+    for key in ("rows_selected", "touched_share", "clipped1", "clipped2", "nonfinite_samples"):
         assert key in rec[0]
+    assert "noise_norm" not in rec[0]
 
 
 def _selection(name):
@@ -119,8 +120,8 @@ def test_export_word2vec_round_trip(tmp_path):
                        alpha_only="false")
     run = tmp_path / "run"
     assert main(["train", str(cfg), "--out", str(run), "--no-progress"]) == 0
-    out = tmp_path / "vec.txt"
-    assert main(["export", str(run), "--format", "word2vec", "--out", str(out)]) == 0
+    assert main(["export", str(run), "--format", "word2vec", "--out", str(tmp_path / "rel")]) == 0
+    out = tmp_path / "rel" / "vectors.txt"
     gensim = pytest.importorskip("gensim")
     kv = gensim.models.KeyedVectors.load_word2vec_format(str(out), binary=False)
     vocab = json.loads((run / "vocab.json").read_text())

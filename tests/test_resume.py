@@ -68,7 +68,7 @@ def _train_proc(*args):
 
 @pytest.mark.slow
 def test_kill_9_then_resume_matches_uninterrupted_run(tmp_path):
-    cfg = _config(tmp_path, steps=3000, ckpt_every=200)
+    cfg = _config(tmp_path, steps=3000, ckpt_every=200, extra_dp="rng: reproducible")  # the reference repeats it
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     proc = _train_proc(str(cfg), "--out", str(crashed))
     deadline = time.time() + 120
@@ -94,11 +94,11 @@ def test_kill_9_then_resume_matches_uninterrupted_run(tmp_path):
     assert a["dp"]["epsilon"] == b["dp"]["epsilon"]
     ma = torch.load(ref / "checkpoint.pt", weights_only=True)["model"]
     mb = torch.load(crashed / "checkpoint.pt", weights_only=True)["model"]
-    for k in ma:  # seeded runs replay the lost steps exactly
+    for k in ma:  # resumed runs replay the lost steps exactly (their generator states are in private/)
         assert torch.equal(ma[k], mb[k]), k
 
 
-def test_secure_rng_resume_keeps_journaled_steps():
+def test_unreplayable_resume_keeps_journaled_steps():
     from widedp.budget import resumed_ledger
     from widedp.spend import ExponentialSpend, GaussianSpend, StepSpend
 
@@ -110,7 +110,7 @@ def test_secure_rng_resume_keeps_journaled_steps():
     assert resumed_ledger(ckpt, journal, replayable=False).steps == 250  # fresh randomness: lost steps stay spent
 
 
-def test_seeded_runs_reproduce_and_secure_rng_does_not(tmp_path):
+def test_reproducible_runs_repeat_and_secure_runs_do_not(tmp_path):
     def final_weights(name: str, extra: str = ""):
         d = tmp_path / name
         d.mkdir()
@@ -118,8 +118,8 @@ def test_seeded_runs_reproduce_and_secure_rng_does_not(tmp_path):
         assert main(["train", str(cfg), "--out", str(d / "run"), "--no-progress"]) == 0
         return torch.load(d / "run" / "checkpoint.pt", weights_only=True)["model"]
 
-    a, b = final_weights("a"), final_weights("b")
+    a, b = final_weights("a", "rng: reproducible"), final_weights("b", "rng: reproducible")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    s1, s2 = final_weights("s1", "secure_rng: true"), final_weights("s2", "secure_rng: true")
+    s1, s2 = final_weights("s1"), final_weights("s2")  # secure by default
     assert any(not torch.equal(s1[k], s2[k]) for k in s1)
     assert any(not torch.equal(a[k], s1[k]) for k in a)

@@ -2,8 +2,9 @@
 
     widedp train CONFIG [--out DIR] [--set key=value ...]     train (non-private or DP, from the YAML)
     widedp train --resume DIR                                  continue a run after a crash or kill -9
+    widedp train CONFIG --out DIR --overwrite                  replace the run in DIR (never done silently)
     widedp epsilon CONFIG [--set ...]                          the privacy a config would spend, as JSON
-    widedp export RUN_DIR --format word2vec [--out FILE]       vectors for gensim
+    widedp export RUN_DIR [--format word2vec|torch] [--out DIR] the release: weights, vocab, privacy statement
     widedp canary CONFIG [CONFIG ...] --nc 3 9 15 --out DIR    secret-sharer canaries: train, then evaluate
     widedp canary --runs RUN_DIR [RUN_DIR ...] --out DIR       evaluate runs trained with canaries
     widedp compare SWEEP.yaml --out DIR [--set key=value ...]  configs x seeds -> curves.png, results.md/.json
@@ -32,13 +33,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="override a config key, e.g. --set dp.selection.name=uniform (repeatable)")
     t.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace a run already in --out (its checkpoint, metrics and spent-budget journal are deleted)")
     e = sub.add_parser("epsilon", help="print the privacy a config would spend (JSON), without training")
     e.add_argument("config")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    x = sub.add_parser("export", help="export embeddings of a run")
+    x = sub.add_parser("export", help="write a run's release (weights, vocab, privacy statement): the only thing to "
+                                      "share")
     x.add_argument("run_dir")
-    x.add_argument("--format", choices=["word2vec"], default="word2vec")
-    x.add_argument("--out", help="output file (default RUN_DIR/vectors.txt)")
+    x.add_argument("--format", choices=["word2vec", "torch"], default="word2vec",
+                   help="word2vec: CBOW input vectors for gensim (default); torch: the model's weights (any task)")
+    x.add_argument("--out", help="release folder (default RUN_DIR/release)")
     c = sub.add_parser("compare", help="run a sweep of configs x seeds; write curves.png, results.md, results.json")
     c.add_argument("sweep", help="sweep YAML ({runs: [{name, config, set, seeds}], panels})")
     c.add_argument("--out", help="output directory (default runs/<sweep name>)")
@@ -89,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.resume:
             run_dir = Path(args.resume)
             cfg = load_run_config(run_dir)
-            if args.config is not None or args.overrides:
+            if args.config is not None or args.overrides or args.overwrite:
                 raise ConfigError("--resume: give only the run directory (its config.yaml is used)")
         else:
             if args.config is None:
@@ -97,24 +102,35 @@ def _run(args: argparse.Namespace) -> int:
             cfg = load_config(args.config, args.overrides)
             run_dir = Path(args.out) if args.out else default_out(args.config)
         progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
-        summary = train(cfg, run_dir, resume=bool(args.resume), progress=progress)
+        summary = train(cfg, run_dir, resume=bool(args.resume), progress=progress, overwrite=args.overwrite)
         keys = ("train_loss", "valid_loss", "test_loss", "steps", "samples_per_s")
-        print(json.dumps({k: summary[k] for k in keys} | {"run_dir": str(run_dir)}
-                         | ({"epsilon": summary["dp"]["epsilon"]} if summary.get("dp") else {})))
+        print(json.dumps({k: summary.get(k) for k in keys} | {"run_dir": str(run_dir)}
+                         | ({"epsilon": summary["dp"]["epsilon"]} if summary.get("dp") else {})
+                         | {"privacy": summary["privacy"]["text"]}, ensure_ascii=False))
+        _say_privacy(summary["privacy"])
         return 0
     if args.cmd == "epsilon":
         from widedp.budget import epsilon_report
         from widedp.config import load_config
 
         cfg = load_config(args.config, args.overrides)
-        print(json.dumps(epsilon_report(cfg), indent=2))
+        rep = epsilon_report(cfg)
+        if cfg.task != "glm":
+            from widedp.statement import for_run
+
+            st = for_run(cfg, epsilon=rep["epsilon"], delta=cfg.dp.delta, accountant=cfg.dp.accountant,
+                         private_rng=cfg.dp.rng == "secure")
+            rep = {"privacy": st.text} | rep
+        print(json.dumps(rep, indent=2, ensure_ascii=False))
         return 0
     if args.cmd == "export":
-        from widedp.export import export_word2vec
+        from widedp.export import export_release
 
         run_dir = Path(args.run_dir)
-        out = Path(args.out) if args.out else run_dir / "vectors.txt"
-        print(export_word2vec(run_dir, out))
+        out = Path(args.out) if args.out else run_dir / "release"
+        privacy = export_release(run_dir, out, fmt=args.format)
+        print(out)
+        _say_privacy(privacy)
         return 0
     if args.cmd == "canary":
         return _canary(args)
@@ -128,6 +144,12 @@ def _run(args: argparse.Namespace) -> int:
         print((out / "results.md").read_text(), end="")
         return 0
     raise AssertionError(args.cmd)  # pragma: no cover
+
+
+def _say_privacy(privacy: dict) -> None:
+    """The privacy statement on stderr: one line, loud when the run is not private."""
+    prefix = "widedp: " if privacy.get("private") else "widedp: WARNING: "
+    print(prefix + privacy["text"], file=sys.stderr)
 
 
 def _canary(args: argparse.Namespace) -> int:

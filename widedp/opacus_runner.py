@@ -14,14 +14,14 @@ checkpoint.pt, vocab.json, spent.json). What is Opacus' and what is ours:
   budget stop through ``widedp.budget`` (the same Gaussian spend as widedp's ``selection: all``, so both engines get
   the same sigma), and ``epsilon_widedp`` (our accountant on the same steps) as a cross-check.
 
-Resume: Opacus' batch sampler cannot replay the lost steps exactly, so (as with ``dp.secure_rng``) every step the
-journal reserved stays spent, in our ledger and in Opacus' accountant history alike.
+Randomness: the sampling and noise generators are seeded as in ``widedp.train`` (secret by default, ``widedp.rng``);
+their seeds and states live only in ``RUN/private/``. Resume: Opacus' batch sampler cannot replay the lost steps
+exactly, so every step the journal reserved stays spent, in our ledger and in Opacus' accountant history alike.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
 import time
 import warnings
 from pathlib import Path
@@ -35,7 +35,7 @@ from opacus.data_loader import DPDataLoader
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from widedp import accounting, budget
+from widedp import accounting, budget, rng, run_summary, statement
 from widedp.checkpoint import load_checkpoint, save_checkpoint, write_json
 from widedp.config import Config
 from widedp.data_prep.cbow import CBOWData
@@ -103,8 +103,9 @@ def train_opacus(cfg: Config, out: Path, *, data: CBOWData, resume: bool = False
                  ) -> dict[str, Any]:
     """Train ``cfg`` (``dp.engine: opacus``) into ``out``; returns the summary dict (also in summary.json)."""
     with warnings.catch_warnings():
-        # Opacus' advice to use its secure RNG (we seed or use the OS CSPRNG per dp.secure_rng), and torch's note that
-        # the backward hooks fire on an integer-input Embedding: both expected, both noise in every run's output.
+        # Opacus' advice to use its secure RNG (our generators are seeded from the OS CSPRNG, dp.rng), and torch's
+        # note that the backward hooks fire on an integer-input Embedding: both expected, both noise in every
+        # run's output.
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         return _train_opacus(cfg, out, data=data, resume=resume, progress=progress)
@@ -137,10 +138,11 @@ def _train_opacus(cfg: Config, out: Path, *, data: CBOWData, resume: bool, progr
         base_opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=tc.lr)
     else:
         base_opt = torch.optim.Adam(model.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.eps)
+    seeds, _ = rng.run_seeds(out, mode=dp.rng, seed=tc.seed, resume=ckpt is not None)
     noise_gen = torch.Generator(device=device)
-    noise_gen.manual_seed(secrets.randbits(62) if dp.secure_rng else tc.seed + 1)
+    noise_gen.manual_seed(seeds.noise)
     sample_gen = torch.Generator()
-    sample_gen.manual_seed(secrets.randbits(62) if dp.secure_rng else tc.seed)
+    sample_gen.manual_seed(seeds.sampling)
 
     ledger = accounting.Ledger()
     step, history, elapsed = 0, [], 0.0
@@ -149,9 +151,10 @@ def _train_opacus(cfg: Config, out: Path, *, data: CBOWData, resume: bool, progr
         model.load_state_dict(ckpt["model"])
         base_opt.load_state_dict(ckpt["optimizer"])
         step, history, elapsed = ckpt["step"], ckpt["history"], ckpt["elapsed"]
-        if not dp.secure_rng:
-            noise_gen.set_state(ckpt["noise_gen"].cpu())
-            sample_gen.set_state(ckpt["sample_gen"].cpu())
+        states = rng.load_states(out, step)
+        if states is not None:
+            noise_gen.set_state(states["noise"])
+            sample_gen.set_state(states["sampling"])
         ledger = accounting.Ledger.from_json(ckpt["ledger"])
         opacus_history = [(float(s), float(r), int(k)) for s, r, k in ckpt["opacus_history"]]
         journal = budget.read_journal(out)
@@ -188,22 +191,27 @@ def _train_opacus(cfg: Config, out: Path, *, data: CBOWData, resume: bool, progr
         rec: dict[str, Any] = {"epoch": epoch + 1, "step": step}
         for k in ("train", "valid", "test"):
             rec[f"{k}_loss"] = evaluate(eval_model, splits[k], **kw)
-        if engine.accountant.history:
-            rec["epsilon"] = float(engine.accountant.get_epsilon(dp.delta))
+        if engine.accountant.history:  # the headline accountant (as in the summary) and the RDP cross-check
+            e = opacus_epsilons(engine.accountant.history, dp.delta)
+            use_prv = dp.accountant == "pld" and e["prv"] is not None
+            rec.update(epsilon=e["prv"] if use_prv else e["rdp"], epsilon_accountant="prv" if use_prv else "rdp",
+                       epsilon_rdp=e["rdp"])
         return rec
 
     def checkpoint() -> None:
         state = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
                  "optimizer": base_opt.state_dict(), "step": step, "history": history,
                  "elapsed": elapsed + time.perf_counter() - t0, "config_hash": cfg.hash(),
-                 "noise_gen": noise_gen.get_state(), "sample_gen": sample_gen.get_state(),
                  "ledger": ledger.to_json(),
                  "opacus_history": [[float(s), float(r), int(k)] for s, r, k in engine.accountant.history]}
         budget.write_journal(out, ledger)
+        rng.save_states(out, step, {"noise": noise_gen.get_state(), "sampling": sample_gen.get_state()})
         save_checkpoint(out, state)
+        rng.prune_states(out, step)
 
     if ckpt is None:
         history.append(record(-1))
+        log({"kind": "notice", "text": run_summary.DIAGNOSTICS_NOTICE})
         log({"kind": "start", "n_train": n, "steps_per_epoch": per_epoch, "total_steps": total,
              "dp": {"noise_multiplier": dp.noise_multiplier, "selection": "all", "engine": "opacus",
                     "budget_steps": budget_cap}})
@@ -264,7 +272,7 @@ def _train_opacus(cfg: Config, out: Path, *, data: CBOWData, resume: bool, progr
     summary: dict[str, Any] = {
         "train_loss": last.get("train_loss"), "valid_loss": last.get("valid_loss"), "test_loss": last.get("test_loss"),
         "steps": step, "epochs": step / per_epoch, "samples_per_s": step * b / wall if wall > 0 else None,
-        "wall_s": wall, "setup_s": setup_s, "n_train": n, "config_hash": cfg.hash(), "private": True,
+        "wall_s": wall, "setup_s": setup_s, "n_train": n, "config_hash": cfg.hash(), "private": seeds.private,
         "initial_valid_loss": history[0]["valid_loss"],
         "dp": {
             "engine": "opacus", "delta": dp.delta, "noise_multiplier": dp.noise_multiplier, "selection": "all",
@@ -274,10 +282,15 @@ def _train_opacus(cfg: Config, out: Path, *, data: CBOWData, resume: bool, progr
             else 0.0,
             "stopped_by_budget": stopped_by_budget, "budget_steps": budget_cap, "target_epsilon": dp.target_epsilon,
             "opacus_history": [list(h) for h in engine.accountant.history], "ledger": ledger.to_json(),
+            "rng": dp.rng,
         },
     }
+    acct = "Opacus PRV" if dp.accountant == "pld" and eps["prv"] is not None else "Opacus RDP"
+    st = statement.for_run(cfg, epsilon=headline, delta=dp.delta, accountant=acct, private_rng=seeds.private)
+    summary["privacy"], summary["notice"] = st.to_json(), run_summary.DIAGNOSTICS_NOTICE
     write_json(out / "summary.json", summary)
-    plot_losses(history, out / "loss.png", title=f"DP-SGD (Opacus), sigma={dp.noise_multiplier:g}")
+    plot_losses(history, out / "loss.png", title=f"DP-SGD (Opacus), σ={dp.noise_multiplier:.3g}\nε={headline:.3g}, "
+                f"δ={dp.delta:g} per {statement.unit_and_gaps(cfg)[0]}")
     if stopped_by_budget:
         print(f"widedp: stopped at step {step}: the next step would exceed dp.target_epsilon="
               f"{dp.target_epsilon} (checkpoint saved in {out})")

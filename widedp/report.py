@@ -23,7 +23,7 @@ def plot_history(history: list[dict[str, Any]], path: Path, *, keys: Sequence[st
         ax.plot(xs, [h.get(key) for h in history], style, ms=3, label=key.replace("_", " "))
     ax.set_xlabel(x)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

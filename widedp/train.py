@@ -5,14 +5,15 @@
     widedp train --resume runs/exp            # after a crash or kill -9
 
 A run directory holds: config.yaml (resolved), metrics.jsonl, summary.json, loss.png, checkpoint.pt, vocab.json,
-and with DP spent.json (the privacy ledger journal).
+and with DP spent.json (the privacy ledger journal) and private/ (the secret seeds and generator states that resume
+needs; mode 0700). The run directory is private working state: metrics.jsonl, summary.json and loss.png hold
+non-private statistics of the training batches. Share only what ``widedp export`` writes.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from widedp import accounting, budget
+from widedp import accounting, budget, rng, run_summary, rundir
 from widedp.checkpoint import load_checkpoint, save_checkpoint, write_json
 from widedp.config import Config, config_from_dict
 from widedp.data_prep.cbow import CBOWData, Split, prepare_cbow
@@ -111,12 +112,20 @@ def evaluate(model: Any, split: Any, *, batch_size: int, max_samples: int = 0) -
     return float(total) / n
 
 
-def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True, data: CBOWData | None = None
-          ) -> dict[str, Any]:
+def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True, data: CBOWData | None = None,
+          overwrite: bool = False) -> dict[str, Any]:
     """Train ``cfg`` into run directory ``out``; returns the summary dict (also written to summary.json).
 
     ``data``: already prepared samples (e.g. with canaries inserted); default ``prepare_cbow(cfg.data)``.
+    A directory that already holds a run is only resumed (``resume``) or replaced (``overwrite``); one process at a
+    time writes it.
     """
+    with rundir.locked(out):
+        rundir.prepare(out, resume=resume, overwrite=overwrite)
+        return _train(cfg, out, resume=resume, progress=progress, data=data)
+
+
+def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWData | None) -> dict[str, Any]:
     if cfg.task in TASK_TRAINERS:
         return _resolve(TASK_TRAINERS[cfg.task])(cfg, out, resume=resume, progress=progress)
     t_setup = time.perf_counter()
@@ -147,10 +156,11 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
         spend = budget.step_spend(dp, num_rows=model.num_rows, batch_size=b, n=n)
         selector = make_selector(dp.selection, num_rows=model.num_rows)
         optimizer: Any = make_row_optimizer(tc.optimizer, model.row_tables(), lr=tc.lr, betas=tc.betas, eps=tc.eps)
+        # secret seeds (dp.rng: secure) live in out/private/ only; never in config.yaml, checkpoints or logs
+        seeds, replayable = rng.run_seeds(out, mode=dp.rng, seed=tc.seed, resume=ckpt is not None)
         noise_gen = torch.Generator(device=device)
-        noise_gen.manual_seed(secrets.randbits(62) if dp.secure_rng else tc.seed + 1)
-        sample_seed = secrets.randbits(62) if dp.secure_rng else tc.seed
-        sampler: Any = PoissonSampler(n, sampling_rate=b / n, seed=sample_seed, device=device)
+        noise_gen.manual_seed(seeds.noise)
+        sampler: Any = PoissonSampler(n, sampling_rate=b / n, seed=seeds.sampling, device=device)
         per_epoch = budget.steps_per_epoch(b, n)
         budget_cap = budget.budget_steps(dp, spend)
     else:
@@ -164,10 +174,11 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
         optimizer.load_state_dict(ckpt["optimizer"])
         step, history, elapsed = ckpt["step"], ckpt["history"], ckpt["elapsed"]
         if dp is not None:
-            if not dp.secure_rng:
-                noise_gen.set_state(ckpt["noise_gen"].cpu())
+            states = rng.load_states(out, step) if replayable else None
+            if states is not None:
+                noise_gen.set_state(states["noise"])
             ledger = budget.resumed_ledger(accounting.Ledger.from_json(ckpt["ledger"]), budget.read_journal(out),
-                                           replayable=not dp.secure_rng)
+                                           replayable=states is not None)
     total = budget.total_steps(cfg, n)
     metrics = (out / "metrics.jsonl").open("a")
 
@@ -180,12 +191,15 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
                  "history": history, "elapsed": elapsed + time.perf_counter() - t0 - aside,
                  "config_hash": cfg.hash()}
         if dp is not None:  # (the journal is written ahead of each interval, never lowered here)
-            state["noise_gen"] = noise_gen.get_state()
             state["ledger"] = ledger.to_json()
+            rng.save_states(out, step, {"noise": noise_gen.get_state()})  # private/, before the checkpoint
         save_checkpoint(out, state)
+        if dp is not None:
+            rng.prune_states(out, step)
 
     if ckpt is None:
         history.append(_epoch_record(model, splits, tc, -1, 0, dp, ledger))
+        log({"kind": "notice", "text": run_summary.DIAGNOSTICS_NOTICE})
         log({"kind": "start", "n_train": n, "steps_per_epoch": per_epoch, "total_steps": total,
              "dp": None if dp is None else {"noise_multiplier": dp.noise_multiplier,
                                             "selection": dp.selection.name, "budget_steps": budget_cap}})
@@ -218,9 +232,10 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
                 optimizer.step(res.grad)
                 st = res.stats
                 stats_acc += torch.stack([st.touched_share.new_tensor(float(st.rows_selected)), st.touched_share,
-                                          st.clipped1, st.clipped2.to(st.clipped1.dtype), st.noise_norm])
+                                          st.clipped1, st.clipped2.to(st.clipped1.dtype),
+                                          st.nonfinite.to(st.clipped1.dtype)])
             ledger.add(res.spend)
-            loss_acc += loss.sum()
+            loss_acc += torch.where(torch.isfinite(loss), loss, 0.0).sum()  # a non-finite sample counts 0
         else:
             optimizer.zero_grad(set_to_none=True)
             loss = model(batch)
@@ -239,9 +254,13 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
                    "train_loss": float(loss_acc) / max(samples, 1), "samples_per_s": samples / (now - t_window)}
             if dp is not None:
                 s = (stats_acc / acc_steps).tolist()
-                rec.update(dict(zip(("rows_selected", "touched_share", "clipped1", "clipped2", "noise_norm"), s)))
+                rec.update(dict(zip(("rows_selected", "touched_share", "clipped1", "clipped2"), s)))
+                rec["nonfinite_samples"] = int(round(s[4] * acc_steps))
+                if rec["nonfinite_samples"]:
+                    run_summary.warn_nonfinite(rec["nonfinite_samples"], step)
             log(rec)
-            bar.set_postfix(loss=f"{rec['train_loss']:.4f}")
+            bar.set_postfix(loss=f"{rec['train_loss']:.4f}",
+                            **({"eps": f"{history[-1]['epsilon']:.3g}"} if "epsilon" in history[-1] else {}))
             loss_acc.zero_()
             stats_acc.zero_()
             acc_samples.zero_()
@@ -264,10 +283,14 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
     metrics.close()
     if dp is not None:
         budget.write_journal(out, ledger)  # the run is over: what it spent is exactly the ledger
-    summary = _summary(cfg, dp, history, step, per_epoch, wall, setup_s, n, ledger, stopped_by_budget, budget_cap)
+    private_rng = dp is None or seeds.private
+    summary = run_summary.summary(cfg, dp, history, step=step, per_epoch=per_epoch, wall=wall, setup_s=setup_s,
+                                  n=n, ledger=ledger, stopped=stopped_by_budget, cap=budget_cap,
+                                  private_rng=private_rng)
     summary["wall_s"] = wall + aside + setup_s  # training + evaluation + checkpoints + setup
     write_json(out / "summary.json", summary)
-    plot_losses(history, out / "loss.png", title=_title(cfg, dp))
+    st = run_summary.run_statement(cfg, dp, ledger, private_rng=private_rng)
+    plot_losses(history, out / "loss.png", title=run_summary.plot_title(cfg, dp, st))
     if stopped_by_budget:
         print(f"widedp: stopped at step {step}: the next step would exceed dp.target_epsilon="
               f"{dp.target_epsilon} (checkpoint saved in {out})")
@@ -285,35 +308,8 @@ def _epoch_record(model: Any, splits: dict[str, Any], tc: Any, epoch: int, step:
            "test_loss": evaluate(model, splits["test"], batch_size=tc.eval_batch_size,
                                  max_samples=tc.eval_max_samples)}
     model.train()
-    if dp is not None and ledger.steps:
-        rec["epsilon"] = accounting.epsilon(ledger, delta=dp.delta, accountant="rdp")
+    rec.update(run_summary.epoch_epsilons(dp, ledger))
     return rec
-
-
-def _summary(cfg: Config, dp: Any, history: list[dict[str, Any]], step: int, per_epoch: int, wall: float,
-             setup_s: float, n: int, ledger: accounting.Ledger, stopped: bool, cap: int | None) -> dict[str, Any]:
-    last = history[-1] if history else {}
-    samples = step * cfg.train.batch_size
-    out: dict[str, Any] = {
-        "train_loss": last.get("train_loss"), "valid_loss": last.get("valid_loss"),
-        "test_loss": last.get("test_loss"), "steps": step, "epochs": step / per_epoch,
-        "samples_per_s": samples / wall if wall > 0 else None, "train_s": wall, "setup_s": setup_s, "n_train": n,
-        "config_hash": cfg.hash(), "private": dp is not None, "initial_valid_loss": history[0]["valid_loss"],
-    }
-    if dp is not None:
-        out["dp"] = {
-            "delta": dp.delta, "noise_multiplier": dp.noise_multiplier, "selection": dp.selection.name,
-            "selection_epsilon": getattr(dp.selection, "epsilon", None), "accountant": dp.accountant,
-            "epsilon": accounting.epsilon(ledger, delta=dp.delta, accountant=dp.accountant) if ledger.steps else 0.0,
-            "epsilon_rdp": accounting.epsilon(ledger, delta=dp.delta, accountant="rdp") if ledger.steps else 0.0,
-            "stopped_by_budget": stopped, "budget_steps": cap, "target_epsilon": dp.target_epsilon,
-            "ledger": ledger.to_json(),
-        }
-    return out
-
-
-def _title(cfg: Config, dp: Any) -> str:
-    return "non-private" if dp is None else f"DP {dp.selection.name}, sigma={dp.noise_multiplier:g}"
 
 
 def _check_optimizer(cfg: Config) -> None:

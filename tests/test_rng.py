@@ -1,0 +1,180 @@
+"""The randomness that protects the data stays secret (issue: audit §1) and what is released is labelled (§5)."""
+
+import json
+import shutil
+import stat
+
+import pytest
+import torch
+
+import widedp.train as train_mod
+from widedp import accounting, rng
+from widedp.cli import main
+from widedp.config import load_config
+from widedp.errors import ConfigError
+
+TEXT = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(300))
+SHAREABLE_IF_ANYTHING = ("config.yaml", "checkpoint.pt", "metrics.jsonl", "summary.json", "spent.json", "vocab.json",
+                         "loss.png")
+
+
+def _config(tmp_path, *, rng_mode: str | None = None, steps: int = 100, ckpt_every: int = 0):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"""
+data: {{preset: custom, corpus: "text:{corpus}", vocab_size: 11, remove_stopwords: false, alpha_only: false,
+       splits: [1000, 100, 100], cache_dir: "{tmp_path / 'cache'}"}}
+model: {{dim: 8, tied: false}}
+train: {{epochs: {steps // 100}, batch_size: 10, optimizer: lazy_adam, lr: 0.01, log_every: 25,
+        checkpoint_every: {ckpt_every}, eval_max_samples: 50, seed: 3}}
+dp:
+  clip1: 1.0
+  clip2: 1.0
+  noise_multiplier: 1.0
+  {'' if rng_mode is None else f'rng: {rng_mode}'}
+  selection: {{name: exponential, k: 4, epsilon: 0.5, score_clip: 0.1}}
+""")
+    return cfg
+
+
+def _train(tmp_path, name, **kw):
+    d = tmp_path / name
+    d.mkdir()
+    out = d / "run"
+    assert main(["train", str(_config(d, **kw)), "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+def _weights(run):
+    return torch.load(run / "checkpoint.pt", weights_only=True)["model"]
+
+
+def _secret_patterns(seeds: rng.RunSeeds) -> list[bytes]:
+    out = []
+    for s in (seeds.sampling, seeds.noise):
+        out += [str(s).encode(), s.to_bytes(8, "little"), s.to_bytes(8, "big")]
+    return out
+
+
+def test_default_is_secret_and_kept_only_in_private(tmp_path):
+    run = _train(tmp_path, "a")
+    seeds = rng.load_seeds(run)
+    assert seeds is not None and seeds.mode == "secure" and seeds.private
+    priv = run / rng.PRIVATE_DIR
+    assert stat.S_IMODE(priv.stat().st_mode) == 0o700
+    for f in priv.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    # nothing outside private/ holds the seeds or a generator state
+    for f in run.rglob("*"):
+        if f.is_file() and priv not in f.parents:
+            data = f.read_bytes()
+            for pat in _secret_patterns(seeds):
+                assert pat not in data, (f.name, pat)
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert not {k for k in ckpt if "gen" in k or "rng" in k}
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["private"] and summary["privacy"]["private"] and summary["dp"]["rng"] == "secure"
+
+
+def test_secure_runs_differ_reproducible_runs_repeat(tmp_path):
+    a, b = _weights(_train(tmp_path, "a")), _weights(_train(tmp_path, "b"))
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # same config.yaml, different noise: it is not in the config
+    r1, r2 = _weights(_train(tmp_path, "r1", rng_mode="reproducible")), _weights(_train(tmp_path, "r2",
+                                                                                        rng_mode="reproducible"))
+    assert all(torch.equal(r1[k], r2[k]) for k in r1)
+
+
+def test_reproducible_run_says_not_private_everywhere(tmp_path, capsys):
+    run = _train(tmp_path, "r", rng_mode="reproducible")
+    cap = capsys.readouterr()
+    printed = json.loads(cap.out.strip().splitlines()[-1])
+    assert printed["privacy"].startswith("NOT PRIVATE") and "WARNING: NOT PRIVATE" in cap.err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["private"] is False and summary["privacy"]["text"].startswith("NOT PRIVATE")
+    assert main(["export", str(run), "--out", str(tmp_path / "rel")]) == 0
+    assert "NOT PRIVATE" in capsys.readouterr().err
+    assert json.loads((tmp_path / "rel" / "privacy.json").read_text())["private"] is False
+
+
+def test_secure_run_resumes_exactly_from_private_state(tmp_path, monkeypatch):
+    """A snapshot of the run directory at its first checkpoint, resumed, ends with the uninterrupted weights."""
+    d = tmp_path / "s"
+    d.mkdir()
+    cfg = load_config(_config(d, steps=200, ckpt_every=60))
+    run, snap = d / "run", d / "snap"
+    orig = train_mod.save_checkpoint
+
+    def snapshot(out, state):
+        orig(out, state)
+        if state["step"] == 60 and not snap.exists():
+            shutil.copytree(out, snap)
+
+    monkeypatch.setattr(train_mod, "save_checkpoint", snapshot)
+    full = train_mod.train(cfg, run, progress=False)
+    monkeypatch.setattr(train_mod, "save_checkpoint", orig)
+    resumed = train_mod.train(cfg, snap, resume=True, progress=False)
+    a, b = _weights(run), _weights(snap)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert full["dp"]["ledger"] == resumed["dp"]["ledger"] and resumed["steps"] == 200
+
+
+def test_resume_without_private_keeps_journaled_spend(tmp_path, monkeypatch):
+    d = tmp_path / "s"
+    d.mkdir()
+    cfg = load_config(_config(d, steps=200, ckpt_every=60))
+    run, snap = d / "run", d / "snap"
+    orig = train_mod.save_checkpoint
+
+    def snapshot(out, state):
+        orig(out, state)
+        if state["step"] == 60 and not snap.exists():
+            shutil.copytree(out, snap)
+
+    monkeypatch.setattr(train_mod, "save_checkpoint", snapshot)
+    train_mod.train(cfg, run, progress=False)
+    monkeypatch.setattr(train_mod, "save_checkpoint", orig)
+    journal = accounting.Ledger.from_json(json.loads((snap / "spent.json").read_text()))
+    assert journal.steps == 75  # reserved ahead of the interval [50, 75) in which the checkpoint at 60 fell
+    shutil.rmtree(snap / rng.PRIVATE_DIR)  # e.g. the directory was copied without its private part
+    resumed = train_mod.train(cfg, snap, resume=True, progress=False)
+    # fresh randomness cannot replay steps 60..75: they stay spent, on top of the 140 steps run after 60
+    assert accounting.Ledger.from_json(resumed["dp"]["ledger"]).steps == 75 + 140
+
+
+def test_secure_rng_key_is_an_error(tmp_path):
+    cfg = _config(tmp_path)
+    text = cfg.read_text().replace("  selection:", "  secure_rng: true\n  selection:")
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match="dp.secure_rng"):
+        load_config(cfg)
+
+
+def test_release_holds_weights_vocab_statement_only(tmp_path, capsys):
+    run = _train(tmp_path, "a")
+    rel = tmp_path / "release"
+    assert main(["export", str(run), "--out", str(rel)]) == 0
+    assert sorted(p.name for p in rel.iterdir()) == ["privacy.json", "vectors.txt", "vocab.json"]
+    st = json.loads((rel / "privacy.json").read_text())
+    assert st["private"] and st["unit"] == "(target, context) pair" and st["adjacency"] == "add_remove"
+    assert "δ=1e-05" in st["text"] and "(target, context) pair" in st["text"] and "vocabulary" in st["text"]
+    assert main(["export", str(run), "--format", "torch", "--out", str(tmp_path / "rel2")]) == 0
+    state = torch.load(tmp_path / "rel2" / "model.pt", weights_only=True)
+    assert set(state) == set(_weights(run))  # weights only: no optimizer, history, ledger
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "other.txt").write_text("x")
+    assert main(["export", str(run), "--out", str(tmp_path / "busy")]) == 2  # never mixes with other files
+
+
+def test_metrics_are_labelled_and_hold_no_noise_statistic(tmp_path):
+    run = _train(tmp_path, "a")
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert recs[0]["kind"] == "notice" and "NON-PRIVATE" in recs[0]["text"]
+    assert not any("noise_norm" in r for r in recs)
+    summary = json.loads((run / "summary.json").read_text())
+    assert "NON-PRIVATE" in summary["notice"]
+    last_epoch = [r for r in recs if r["kind"] == "epoch"][-1]
+    # the per-epoch ε is the headline accountant's, as in the summary; RDP under its own name
+    assert last_epoch["epsilon_accountant"] == "pld"
+    assert last_epoch["epsilon"] == pytest.approx(summary["dp"]["epsilon"])
+    assert last_epoch["epsilon_rdp"] == pytest.approx(summary["dp"]["epsilon_rdp"])

@@ -1,0 +1,76 @@
+"""What a finished (or budget-stopped) run reports: ``summary.json``, the privacy statement, the plot title.
+
+``summary.json`` and ``metrics.jsonl`` hold non-private statistics of the training batches (train loss, clipped
+fractions, the share of selected rows the batch touched, ...): they are diagnostics for whoever holds the private
+run directory and must not be shared. ``widedp export`` writes what may be shared.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from widedp import accounting, statement
+from widedp.config import Config
+
+DIAGNOSTICS_NOTICE = ("NON-PRIVATE diagnostics of the training batches (train loss, clipping, selection "
+                      "statistics): not covered by the privacy guarantee; do not share this file. Share only what "
+                      "`widedp export` writes.")
+
+
+def run_statement(cfg: Config, dp: Any, ledger: accounting.Ledger, *, private_rng: bool
+                  ) -> statement.PrivacyStatement:
+    """The statement of a cbow/recsys run: the headline accountant's ε over everything the ledger recorded."""
+    if dp is None:
+        return statement.for_run(cfg, epsilon=None, delta=None, accountant="", private_rng=private_rng)
+    eps = accounting.epsilon(ledger, delta=dp.delta, accountant=dp.accountant) if ledger.steps else 0.0
+    return statement.for_run(cfg, epsilon=eps, delta=dp.delta, accountant=dp.accountant, private_rng=private_rng)
+
+
+def summary(cfg: Config, dp: Any, history: list[dict[str, Any]], *, step: int, per_epoch: int, wall: float,
+            setup_s: float, n: int, ledger: accounting.Ledger, stopped: bool, cap: int | None, private_rng: bool
+            ) -> dict[str, Any]:
+    """The summary dict of a cbow/recsys run (written to summary.json)."""
+    last = history[-1] if history else {}
+    samples = step * cfg.train.batch_size
+    st = run_statement(cfg, dp, ledger, private_rng=private_rng)
+    out: dict[str, Any] = {
+        "train_loss": last.get("train_loss"), "valid_loss": last.get("valid_loss"),
+        "test_loss": last.get("test_loss"), "steps": step, "epochs": step / per_epoch,
+        "samples_per_s": samples / wall if wall > 0 else None, "train_s": wall, "setup_s": setup_s, "n_train": n,
+        "config_hash": cfg.hash(), "private": dp is not None and private_rng,
+        "initial_valid_loss": history[0]["valid_loss"], "privacy": st.to_json(), "notice": DIAGNOSTICS_NOTICE,
+    }
+    if dp is not None:
+        out["dp"] = {
+            "delta": dp.delta, "noise_multiplier": dp.noise_multiplier, "selection": dp.selection.name,
+            "selection_epsilon": getattr(dp.selection, "epsilon", None), "accountant": dp.accountant,
+            "epsilon": st.epsilon,
+            "epsilon_rdp": accounting.epsilon(ledger, delta=dp.delta, accountant="rdp") if ledger.steps else 0.0,
+            "stopped_by_budget": stopped, "budget_steps": cap, "target_epsilon": dp.target_epsilon,
+            "rng": dp.rng, "ledger": ledger.to_json(),
+        }
+    return out
+
+
+def epoch_epsilons(dp: Any, ledger: accounting.Ledger) -> dict[str, float]:
+    """Per-epoch ε for metrics.jsonl: the headline accountant's (as in the summary) and the RDP cross-check."""
+    if dp is None or not ledger.steps:
+        return {}
+    return {"epsilon": accounting.epsilon(ledger, delta=dp.delta, accountant=dp.accountant),
+            "epsilon_accountant": dp.accountant,
+            "epsilon_rdp": accounting.epsilon(ledger, delta=dp.delta, accountant="rdp")}
+
+
+def plot_title(cfg: Config, dp: Any, st: statement.PrivacyStatement) -> str:
+    """loss.png's title: the method, and ε with its δ and unit."""
+    if dp is None:
+        return "non-private"
+    unit, _ = statement.unit_and_gaps(cfg)
+    head = f"DP {dp.selection.name}, σ={dp.noise_multiplier:.3g}\nε={st.epsilon:.3g}, δ={dp.delta:g} per {unit}"
+    return head if st.private else "NOT PRIVATE (reproducible rng) " + head
+
+
+def warn_nonfinite(count: int, step: int) -> None:
+    print(f"widedp: warning: {count} sample(s) with a non-finite gradient up to step {step} contributed zero "
+          "(see nonfinite_samples in metrics.jsonl)", file=sys.stderr)
