@@ -5,7 +5,8 @@
         --out bench/out/glm_sweep
 
 Finished runs (OUT/<name>/seed<k>/summary.json) are reused. A row per (algorithm, target epsilon): test accuracy
-mean +- std over seeds, the accountant's epsilon actually spent, wall time.
+mean +- std over seeds, the headline epsilon actually spent (DP-AGD: zCDP), wall time. The sweep's seeds vary
+train.seed; with the default ``algorithm.rng: secure`` the noise is secret and differs on every run anyway.
 """
 
 from __future__ import annotations
@@ -78,9 +79,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines += ["", "Spent ε (accountant of each config; max over seeds) and mean wall time per run:", "",
               "| algorithm | target ε | spent ε | ε RDP | train acc | wall s |", "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["algorithm"], r["target_epsilon"] or math.inf)):
-        rdp = max((x["epsilon_rdp"] or 0.0) for x in r["runs"])
+        rdps = [x["epsilon_rdp"] for x in r["runs"] if x["epsilon_rdp"] is not None]
+        rdp = f"{max(rdps):.3f}" if rdps else "–"  # none for DP-AGD (zCDP headline) and the non-private run
         lines.append(f"| {r['algorithm']} | {r['target_epsilon'] if r['target_epsilon'] is not None else '∞'} | "
-                     f"{r['epsilon_max']:.3f} | {rdp:.3f} | {r['train_accuracy_mean']:.3f} | {r['wall_s_mean']:.1f} |")
+                     f"{r['epsilon_max']:.3f} | {rdp} | {r['train_accuracy_mean']:.3f} | {r['wall_s_mean']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -9,6 +9,11 @@ frequent words of the TRAINING chunks only; a chunk's row is weighted counts ove
 or ``l1`` norm — which fixes the GLM's Lipschitz constants (``widedp.models.glm``). Rows with no in-vocabulary word
 keep only the bias feature (or are all zero without one).
 
+Privacy unit (what the GLM task's epsilon protects, add/remove): one row = one chunk with its document's label
+(``chunk_tokens: 0``: one whole document). Each row is weighted and normalised by its OWN counts and norm, so no
+training-set statistic enters the features; the vocabulary (train-chunk counts), the label set and the stratified
+split are computed from the data outside the privacy ledger (``widedp.glm_train.not_covered``).
+
 Cache: ``<cache_dir>/brown-glm-v1-<key>.npz`` (the CSR arrays of the three splits) + ``.json`` (vocabulary, labels).
 """
 

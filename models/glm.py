@@ -84,6 +84,18 @@ class SparseRows:
         return out.index_add(0, seg, val**p) ** (1.0 / p)
 
 
+#: Relative slack for float rounding of rows normalised to norm 1 (``check_row_norms``).
+ROW_NORM_SLACK = 1e-5
+
+
+def check_row_norms(data: SparseRows, *, p: float = 2.0, bound: float = 1.0) -> None:
+    """Raise ValueError unless every row has p-norm <= bound (the Lipschitz and smoothness constants above assume
+    unit rows; the data builder normalises each example by its own norm, so any example satisfies it)."""
+    if len(data) and float(data.row_norms(p).max()) > bound * (1.0 + ROW_NORM_SLACK):
+        raise ValueError(f"rows must have {p}-norm <= {bound} (the GLM's Lipschitz constants assume it); got "
+                         f"{float(data.row_norms(p).max()):.6g}")
+
+
 def logits(w: torch.Tensor, data: SparseRows) -> torch.Tensor:
     """[n, K] = X W."""
     return torch.sparse.mm(data.x, w.to(data.x.dtype))

@@ -100,7 +100,10 @@ def test_collapse_full_batch_is_exact():
 def test_output_perturbation_noise_matches_formula():
     data = _rows(n=40)
     lam, eps, delta = 0.1, 1.0, 1e-5
-    w_star, _ = output_perturbation.solve_regularized(data, l2_reg=lam, iterations=2000)
+    w_star, sens, _ = output_perturbation.solve_private(data, l2_reg=lam, radius=1e9, lipschitz=glm.LIPSCHITZ_L2,
+                                                        smooth=glm.SMOOTH_L2, iterations=100)
+    # R' = L / lambda: (L + lambda R') / (lambda n) = 2 L / (lambda n), plus 0.1% for the solver residual
+    assert math.isclose(sens, 2 * glm.LIPSCHITZ_L2 / (lam * len(data)) * 1.001, rel_tol=1e-12)
     samples, stds = [], []
     for seed in range(60):
         res = output_perturbation.output_perturbation(
@@ -110,13 +113,13 @@ def test_output_perturbation_noise_matches_formula():
         stds.append(res.info["noise_std"])
     sigma = accounting.calibrate_noise_multiplier(lambda s: StepSpend(1.0, (GaussianSpend(s),)), steps=1,
                                                   delta=delta, target_epsilon=eps)
-    want = sigma * glm.LIPSCHITZ_L2 / (lam * len(data))
+    want = sigma * sens
     assert math.isclose(stds[0], want, rel_tol=1e-9)
     z = torch.cat(samples).numpy()
     assert stats.kstest(z / want, "norm").pvalue > 1e-3
     assert stats.kstest(z / (2 * want), "norm").pvalue < 1e-6
-    # the Laplace variant: the poster's scale
-    b = 2 * math.sqrt(2 * 10) * glm.LIPSCHITZ_L2 / (lam * len(data) * eps) * (2 * glm.SMOOTH_L2 / lam + 1)
+    # the Laplace variant: the certified l1 sensitivity sqrt(d K) * Delta_2
+    b = math.sqrt(w_star.numel()) * sens / eps
     lz = []
     for seed in range(30):
         res = output_perturbation.output_perturbation(
@@ -281,11 +284,12 @@ def test_dp_gd_noise_std():
         res = sparse_mean.dp_gd(data, noise_multiplier=sigma, iterations=1, lr=1.0, clip=clip, batch_size=0,
                                 estimator="gaussian", generator=torch.Generator().manual_seed(seed))
         z.append((-res.w - g_true).reshape(-1))
-    want = sigma * clip / 50
+    want = sigma * 2 * clip / 50  # full batch: the mean over the dataset's own n moves by up to 2 C / n
     z = torch.cat(z).numpy()
     assert stats.kstest(z / want, "norm").pvalue > 1e-3
     assert stats.kstest(z / (2 * want), "norm").pvalue < 1e-6
-    assert res.ledger.runs[0][0] == StepSpend(1.0, (GaussianSpend(sigma, clip / 50),))
+    assert stats.kstest(z / (want / 2), "norm").pvalue < 1e-6  # the old C / n scale
+    assert res.ledger.runs[0][0] == StepSpend(1.0, (GaussianSpend(sigma, 2 * clip / 50),))
 
 
 # ------------------------------------------------------------------------------------------ NumericSparse

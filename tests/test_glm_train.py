@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 import yaml
 
 from widedp.cli import main
@@ -35,7 +37,7 @@ def _raw(corpus, tmp_path, algo):
     return {"task": "glm", "data": {"preset": "custom", "corpus": f"text:{corpus}", "chunk_tokens": 10,
                                     "min_chunk_tokens": 5, "vocab_size": 20, "remove_stopwords": False,
                                     "cache_dir": str(tmp_path / "cache")},
-            "train": {"seed": 0}, "algorithm": algo}
+            "train": {"seed": 0}, "algorithm": {"rng": "reproducible", **algo}}  # deterministic unless asked
 
 
 def test_widedp_train_cli_end_to_end(corpus, tmp_path, capsys):
@@ -51,8 +53,15 @@ def test_widedp_train_cli_end_to_end(corpus, tmp_path, capsys):
     for f in ("config.yaml", "metrics.jsonl", "checkpoint.pt", "loss.png", "accuracy.png", "vocab.json"):
         assert (out / f).is_file(), f
     kinds = [json.loads(x)["kind"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert kinds[0] == "start" and kinds[-1] == "end" and "interval" in kinds
+    assert kinds[:2] == ["notice", "start"] and kinds[-1] == "end" and "interval" in kinds
     assert s["dp"]["ledger"]["runs"][0]["count"] == 30
+    p = s["privacy"]
+    assert not s["private"] and not p["private"] and p["text"].startswith("NOT PRIVATE")  # reproducible rng
+    assert p["epsilon"] == s["epsilon"] and p["adjacency"] == "add_remove"
+    assert p["unit"].startswith("document chunk") and "5-10 consecutive filtered tokens" in p["unit"]
+    assert p["accountant"] == "PLD" and p["delta"] == 1e-5
+    assert any("vocabulary" in x for x in p["not_covered"]) and any("size n" in x for x in p["not_covered"])
+    assert printed["privacy"] == p["text"]
 
 
 @pytest.mark.parametrize("algo", [
@@ -72,6 +81,13 @@ def test_every_algorithm_runs(corpus, tmp_path, algo):
     assert 0 <= s["test_accuracy"] <= 1
     if algo["name"] != "nonprivate":
         assert 0 < s["dp"]["epsilon"] <= algo["epsilon"] * 1.0001
+        assert s["privacy"]["epsilon"] == s["epsilon"] == s["dp"]["epsilon"]
+    else:
+        assert s["privacy"]["epsilon"] is None and not s["private"] and "dp" not in s
+    if algo["name"] == "dp_agd":  # headline: the zCDP budget (adaptive budgets: no PLD figure is a guarantee)
+        assert s["privacy"]["accountant"] == "zCDP" and s["dp"]["accountant"] == "zcdp"
+        assert math.isclose(s["epsilon"], algo["epsilon"], rel_tol=1e-9) and s["dp"]["epsilon_rdp"] is None
+        assert s["dp"]["rho_spent"] <= s["dp"]["rho"] * (1 + 1e-9)
 
 
 def test_dp_section_is_rejected(corpus, tmp_path):
@@ -79,3 +95,66 @@ def test_dp_section_is_rejected(corpus, tmp_path):
     raw = _raw(corpus, tmp_path, {"name": "nonprivate"}) | {"dp": dp}
     with pytest.raises(ConfigError, match="^dp: task glm takes its privacy parameters in algorithm"):
         train(config_from_dict(raw), tmp_path / "run", progress=False)
+
+
+# ------------------------------------------------------------------------------------------- randomness secrecy
+
+
+def _secret_patterns(seeds) -> list[bytes]:
+    out = []
+    for v in (seeds.sampling, seeds.noise):
+        out += [str(v).encode(), v.to_bytes(8, "little"), v.to_bytes(8, "big")]
+    return out
+
+
+def _glm_run(corpus, tmp_path, name, **algo):
+    raw = _raw(corpus, tmp_path, {"name": "dpsgd", "epsilon": 4.0, "iterations": 5, "batch_size": 20, **algo})
+    return train(config_from_dict(raw), tmp_path / name, progress=False), tmp_path / name
+
+
+def _w(run):
+    return torch.load(run / "checkpoint.pt", weights_only=True)["w"]
+
+
+def test_glm_rng_secure_by_default_secret_and_reproducible_repeats(corpus, tmp_path):
+    from widedp import rng
+
+    raw = _raw(corpus, tmp_path, {"name": "dpsgd", "epsilon": 4.0})
+    del raw["algorithm"]["rng"]
+    assert config_from_dict(raw).algorithm.rng == "secure"  # the default
+    s1, r1 = _glm_run(corpus, tmp_path, "s1", rng="secure")
+    s2, r2 = _glm_run(corpus, tmp_path, "s2", rng="secure")
+    assert not torch.equal(_w(r1), _w(r2))  # secret seeds: two runs of the same config draw different noise
+    for run, s in ((r1, s1), (r2, s2)):
+        assert s["private"] and s["privacy"]["private"] and s["dp"]["rng"] == "secure"
+        seeds = rng.load_seeds(run)
+        assert seeds is not None and seeds.mode == "secure"
+        assert (run / "private" / "seeds.json").stat().st_mode & 0o777 == 0o600
+        shareable = [p for p in run.rglob("*") if p.is_file() and "private" not in p.relative_to(run).parts]
+        assert {p.name for p in shareable} >= {"config.yaml", "checkpoint.pt", "summary.json", "metrics.jsonl"}
+        for p in shareable:
+            data = p.read_bytes()
+            for pat in _secret_patterns(seeds):
+                assert pat not in data, (p.name, pat)
+        ck = torch.load(run / "checkpoint.pt", weights_only=True)
+        assert set(ck) == {"w", "history", "config_hash", "step"}  # no generator state
+    q1, p1 = _glm_run(corpus, tmp_path, "q1", rng="reproducible")
+    q2, p2 = _glm_run(corpus, tmp_path, "q2", rng="reproducible")
+    assert torch.equal(_w(p1), _w(p2))
+    assert not q1["private"] and not q1["privacy"]["private"] and q1["privacy"]["reason"] == rng.NOT_PRIVATE
+    assert q1["privacy"]["text"].startswith("NOT PRIVATE")
+
+
+def test_glm_resume_replays_the_secret_seeds_or_refuses(corpus, tmp_path):
+    _, run = _glm_run(corpus, tmp_path, "r", rng="secure")
+    w = _w(run)
+    (run / "summary.json").unlink()  # an unfinished run: restarts from scratch with the saved seeds
+    raw = _raw(corpus, tmp_path, {"name": "dpsgd", "epsilon": 4.0, "iterations": 5, "batch_size": 20,
+                                  "rng": "secure"})
+    train(config_from_dict(raw), run, resume=True, progress=False)
+    assert torch.equal(_w(run), w)
+    (run / "summary.json").unlink()
+    for p in (run / "private").iterdir():
+        p.unlink()
+    with pytest.raises(ConfigError, match="cannot resume"):
+        train(config_from_dict(raw), run, resume=True, progress=False)

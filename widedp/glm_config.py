@@ -129,20 +129,27 @@ _PRIVATE = tuple(a for a in ALGORITHMS if a != "nonprivate")
 @dataclass(frozen=True)
 class GLMAlgorithmConfig:
     """One of the convex algorithms. Common: ``epsilon`` (the target eps of the whole run, required for private
-    algorithms), ``delta``, ``accountant`` (pld | rdp; the reported eps). Specific keys (null = default):
+    algorithms), ``delta``, ``accountant`` (pld | rdp; the reported eps; DP-AGD always reports zCDP), ``rng``
+    (``secure``, the default: the sampling and noise seeds come from the OS CSPRNG and are kept only in
+    RUN/private/ | ``reproducible``: derived from train.seed, for tests and debugging -- the run is NOT private).
+    Specific keys (null = default):
 
     - dp_agd: iterations (nominal T), clip (C_grad, per-sample L2), loss_clip (C_obj), nmax_share (share of a step's
       budget spent on NoisyMax), gamma (budget growth when no step helps), step_candidates, step_max (initial
       largest step), step_window (tau: steps between step-set updates).
     - frank_wolfe: iterations (T), radius (l1 ball), step (constant eta; 0 = 1/sqrt(T)), noise (laplace |
       gumbel oracle), first_batch_fraction.
-    - output_perturbation: l2_reg (lambda), mechanism (gaussian | laplace), sparsity (s of the Laplace formula;
-      0 = (chunk_tokens + 1) * K), radius (R of the feasible L2 ball X; 0 = L / lambda), solver_iterations.
-    - sparse_mean_gd: iterations, lr, clip, batch_size (0 = full batch), estimator (gaussian | projection |
-      l1_recovery), l1_radius (0 = clip * sqrt(sparsity)), sparsity, block_size, measurement_ratio (l1_recovery).
-    - numeric_sparse: iterations, lr, clip (per-sample l_inf), batch_size (expected group size), cutoff (c1),
+    - output_perturbation: l2_reg (lambda), mechanism (gaussian | laplace), sparsity (s of the poster's Laplace
+      formula, reported only; 0 = (chunk_tokens + 1) * K), radius (R of the feasible L2 ball X; 0 = L / lambda),
+      solver_iterations (the private solver runs at least the k* iterations that bound its residual).
+    - sparse_mean_gd: iterations, lr, clip, batch_size (0 = full batch: sensitivity 2 clip / n), estimator
+      (gaussian | projection | l1_recovery), l1_radius (0 = clip * sqrt(sparsity)), sparsity, block_size,
+      measurement_ratio (l1_recovery).
+    - numeric_sparse: iterations, lr, clip (per-sample l_inf), batch_size (expected group size; >= n: full batch,
+      sensitivity 2 clip / n), cutoff (c1),
       threshold_scale (alpha in units of the query-noise scale), release_share (eps2 / (eps1 + eps2)).
-    - dpsgd: iterations, lr, clip, batch_size (0 = full batch; else Poisson with this expected size).
+    - dpsgd: iterations, lr, clip, batch_size (0 = full batch: the mean over the dataset's own n, sensitivity
+      2 clip / n; else Poisson with this expected size as the fixed denominator, sensitivity clip / b).
     - nonprivate: l2_reg, solver_iterations.
     """
 
@@ -151,6 +158,7 @@ class GLMAlgorithmConfig:
     epsilon: float | None = None
     delta: float = 1e-5
     accountant: Literal["pld", "rdp"] = "pld"
+    rng: Literal["secure", "reproducible"] = "secure"
     iterations: int | None = None
     lr: float | None = None
     clip: float | None = None
@@ -180,7 +188,7 @@ class GLMAlgorithmConfig:
     def __post_init__(self) -> None:
         own = ALGORITHM_DEFAULTS[self.name]
         for f in dataclasses.fields(self):
-            if f.name in ("name", "epsilon", "delta", "accountant") or getattr(self, f.name) is None:
+            if f.name in ("name", "epsilon", "delta", "accountant", "rng") or getattr(self, f.name) is None:
                 continue
             if f.name not in own:
                 raise ConfigError(f"algorithm.{f.name}: not a key of algorithm {self.name!r} "

@@ -6,9 +6,21 @@ loss and accuracy, epsilon through widedp.accounting with its ledger, the algori
 checkpoint.pt (final W [d, K] and the history, loaded with weights_only=True), loss.png and accuracy.png.
 
 Privacy: every algorithm calibrates its noise to ``algorithm.epsilon`` at ``algorithm.delta`` with
-``algorithm.accountant`` and reports the accountant's epsilon of what it actually spent (DP-AGD: also its native
-zCDP figure). ``resume``: a finished run (summary.json present) is returned as is; an unfinished one restarts
-from scratch with the same seed (these runs take seconds).
+``algorithm.accountant`` and reports the accountant's epsilon of what it actually spent; DP-AGD, whose budgets are
+chosen adaptively, reports the zCDP figure of its budget (a privacy filter; no PLD/RDP figure). summary.json's
+``privacy`` is the statement (``widedp.statement``): unit = one training example = one document chunk (see
+``unit_of``), adjacency add/remove, delta, the accountant, and what epsilon does not cover (``not_covered``:
+the vocabulary, the label set and split, the training-set size). Features are normalised per example (log-tf,
+unit norm), so no statistic of the training set enters them.
+
+Randomness (``algorithm.rng``): ``secure`` (default) seeds the algorithm's generator (sampling, batch slots,
+noise) from ``widedp.rng.run_seeds``: OS-CSPRNG seeds kept only in RUN/private/ (0600), never in config.yaml,
+checkpoint.pt, summary.json or metrics.jsonl; ``reproducible`` derives them from train.seed and the run says it
+is NOT private. The data split (data.seed) and the initial W = 0 are public. metrics.jsonl and summary.json also
+hold non-private diagnostics (train loss and accuracy, clipped shares, solver statistics): do not share them.
+
+``resume``: a finished run (summary.json present) is returned as is; an unfinished one restarts from scratch with
+the seeds saved in RUN/private/ (the same transcript, so nothing more is spent); without them it refuses.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ from typing import Any
 import torch
 import yaml
 
-from widedp import accounting
+from widedp import accounting, rng
 from widedp.checkpoint import read_json, save_checkpoint, write_json
 from widedp.config import Config
 from widedp.convex import common
@@ -30,6 +42,35 @@ from widedp.errors import ConfigError
 from widedp.glm_config import GLMAlgorithmConfig
 from widedp.models import glm
 from widedp.report import plot_history, plot_losses
+from widedp.run_summary import DIAGNOSTICS_NOTICE
+from widedp.statement import PrivacyStatement
+
+
+def not_covered(cfg: Config) -> tuple[str, ...]:
+    """What the GLM's epsilon does not cover: computed from the private data outside the ledger, or published."""
+    return (f"the vocabulary (the top-{cfg.data.vocab_size} words of the training chunks by count)",
+            "the label set and the train/valid/test split (stratified by all documents' labels)",
+            "the training-set size n (published; treated as public: it sets noise scales, denominators, sampling "
+            "rates)")
+
+
+def unit_of(cfg: Config) -> str:
+    """The privacy unit: one training example of the GLM, i.e. one row built by ``data_prep.brown_glm``."""
+    d = cfg.data
+    if d.chunk_tokens:
+        lo = max(1, min(d.min_chunk_tokens, d.chunk_tokens))
+        return (f"document chunk (one training example: {lo}-{d.chunk_tokens} consecutive filtered "
+                "tokens of one document, with its label; a document yields several)")
+    return "document (one training example: its filtered tokens and its label)"
+
+
+def privacy_statement(cfg: Config, epsilon: float | None, *, private_rng: bool) -> PrivacyStatement:
+    a: GLMAlgorithmConfig = cfg.algorithm
+    if a.name == "nonprivate" or epsilon is None:
+        return PrivacyStatement(None, None, unit_of(cfg), private=False, reason="trained without differential privacy")
+    return PrivacyStatement(epsilon, a.delta, unit_of(cfg), accountant="zCDP" if a.name == "dp_agd" else
+                            a.accountant.upper(), not_covered=not_covered(cfg), private=private_rng,
+                            reason="" if private_rng else rng.NOT_PRIVATE)
 
 
 def to_rows(split: Any, *, num_features: int, num_classes: int, dtype: torch.dtype) -> glm.SparseRows:
@@ -116,6 +157,17 @@ def train_glm(cfg: Config, out: Path, *, resume: bool = False, progress: bool = 
     a: GLMAlgorithmConfig = cfg.algorithm
     if resume and (out / "summary.json").is_file():
         return read_json(out / "summary.json")
+    private_algo = a.name != "nonprivate"
+    if private_algo:  # secret seeds (rng: secure) live in out/private/ only
+        seeds, replayable = rng.run_seeds(out, mode=a.rng, seed=cfg.train.seed, resume=resume)
+        if resume and not replayable and (out / "metrics.jsonl").is_file():
+            raise ConfigError(f"{out}: cannot resume: the earlier attempt's seeds ({out / rng.PRIVATE_DIR}) are "
+                              "gone, and a fresh attempt would compose with what it already wrote; train into a new "
+                              "directory")
+        gen = torch.Generator().manual_seed(seeds.noise)
+        private_rng = seeds.private
+    else:
+        gen, private_rng = torch.Generator().manual_seed(cfg.train.seed), True  # no randomness is used
     t_setup = time.perf_counter()
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -133,6 +185,7 @@ def train_glm(cfg: Config, out: Path, *, resume: bool = False, progress: bool = 
                                                 "bias_feature": data.has_bias}))
     history: list[dict[str, Any]] = []
     metrics = (out / "metrics.jsonl").open("w")
+    metrics.write(json.dumps({"kind": "notice", "text": DIAGNOSTICS_NOTICE}) + "\n")
     sparsity = default_sparsity(cfg, data.num_features, k)
     metrics.write(json.dumps({"kind": "start", "algorithm": a.name, "n_train": len(train),
                               "num_features": data.num_features, "num_classes": k,
@@ -147,7 +200,6 @@ def train_glm(cfg: Config, out: Path, *, resume: bool = False, progress: bool = 
         metrics.write(json.dumps(rec) + "\n")
         metrics.flush()
 
-    gen = torch.Generator().manual_seed(cfg.train.seed)
     setup_s = t0 - t_setup
     result = run_algorithm(a, train, sparsity=sparsity, generator=gen, callback=callback)
     wall = time.perf_counter() - t0
@@ -158,27 +210,33 @@ def train_glm(cfg: Config, out: Path, *, resume: bool = False, progress: bool = 
     summary: dict[str, Any] = {
         "task": "glm", "algorithm": a.name, **final, "iterations": result.iterations, "steps": result.iterations,
         "n_train": len(train), "num_features": data.num_features, "num_classes": k, "wall_s": wall,
-        "setup_s": setup_s, "samples_per_s": None, "config_hash": cfg.hash(), "private": a.name != "nonprivate",
-        "info": _jsonable(result.info), "initial_valid_loss": math.log(k),
+        "setup_s": setup_s, "samples_per_s": None, "config_hash": cfg.hash(), "private": private_algo and private_rng,
+        "info": _jsonable(result.info), "initial_valid_loss": math.log(k), "notice": DIAGNOSTICS_NOTICE,
     }
-    if a.name != "nonprivate":
-        eps = common.ledger_epsilon(result.ledger, delta=a.delta, accountant=a.accountant)
-        eps_rdp = common.ledger_epsilon(result.ledger, delta=a.delta, accountant="rdp")
-        summary["epsilon"] = eps
-        summary["dp"] = {"epsilon": eps, "epsilon_rdp": eps_rdp, "delta": a.delta, "accountant": a.accountant,
-                         "target_epsilon": a.epsilon, "selection": a.name, "engine": "glm",
-                         "noise_multiplier": result.info.get("noise_multiplier"),
+    eps = None
+    if private_algo:
+        summary["dp"] = {"delta": a.delta, "target_epsilon": a.epsilon, "selection": a.name, "engine": "glm",
+                         "rng": a.rng, "noise_multiplier": result.info.get("noise_multiplier"),
                          "ledger": result.ledger.to_json()}
-        if a.name == "dp_agd":
-            rho = result.info["rho_spent"]
-            summary["dp"]["rho_spent"] = rho
-            summary["dp"]["epsilon_zcdp"] = common.zcdp_epsilon(rho, a.delta)
+        if a.name == "dp_agd":  # adaptive budgets: the zCDP filter's budget is the guarantee (widedp.convex.dp_agd)
+            eps = common.zcdp_epsilon(result.info["rho"], a.delta)
+            summary["dp"].update({"accountant": "zcdp", "epsilon_rdp": None, "rho": result.info["rho"],
+                                  "rho_spent": result.info["rho_spent"], "epsilon_zcdp": eps})
+        else:
+            eps = common.ledger_epsilon(result.ledger, delta=a.delta, accountant=a.accountant)
+            summary["dp"].update({"accountant": a.accountant, "epsilon_rdp": common.ledger_epsilon(
+                result.ledger, delta=a.delta, accountant="rdp")})
+        summary["epsilon"] = summary["dp"]["epsilon"] = eps
+    st = privacy_statement(cfg, eps, private_rng=private_rng)
+    summary["privacy"] = st.to_json()
     metrics.write(json.dumps({"kind": "end", **{k_: v for k_, v in summary.items() if k_ != "dp"},
                               "epsilon": summary.get("epsilon")}) + "\n")
     metrics.close()
     save_checkpoint(out, {"w": result.w, "history": history, "config_hash": cfg.hash(), "step": result.iterations})
     write_json(out / "summary.json", summary)
-    title = a.name if a.name == "nonprivate" else f"{a.name}, eps={summary['epsilon']:.3g}"
+    title = a.name if eps is None else f"{a.name}, ε={eps:.3g}, δ={a.delta:g} [{st.accountant}]"
+    if eps is not None and not private_rng:
+        title = "NOT PRIVATE (reproducible rng) " + title
     plot_losses([{"epoch": h["epoch"], "train_loss": h.get("train_loss"), "test_loss": h.get("test_loss")}
                  for h in history], out / "loss.png", title=title)
     _plot_accuracy(history, out / "accuracy.png", title=title)

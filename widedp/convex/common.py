@@ -1,8 +1,11 @@
 """Shared pieces of the convex algorithms: spend records of pure-DP / zCDP mechanisms and their conversion to the
 accountant's records, epsilon of a ledger, per-sample clipping of GLM gradients, and the result type.
 
-Adjacency everywhere is add/remove of one sample (the accountant's); sums of per-sample terms are divided by
-public, fixed denominators, so one sample moves a clipped-gradient mean by at most clip / denominator.
+Adjacency everywhere is add/remove of one training example (the accountant's). Sensitivities are derived for the
+quantity each mechanism actually computes on D and on D' = D +- z, each with its OWN size when the code divides by
+the dataset's size (``mean_sensitivity``): a sum of clipped per-example terms divided by a fixed public denominator
+(a configured batch size b) moves by <= clip / b, but a mean over the dataset's own n moves by up to 2 clip / n
+(the denominator changes too). The training-set size n itself (noise scales, sampling rates) is treated as public.
 """
 
 from __future__ import annotations
@@ -110,6 +113,21 @@ def zcdp_epsilon(rho: float, delta: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------------- GLM math
+
+
+def mean_sensitivity(clip: float, *, n: int, denominator: float | None) -> float:
+    """Add/remove sensitivity (in the norm ``clip`` bounds) of (1/den) sum_{i in batch} clip_C(g_i).
+
+    ``denominator`` given (a fixed public number, e.g. the expected Poisson batch size b): the sums differ by one
+    term, ||c_z|| <= C, so clip / b. ``denominator=None``: the mean over the dataset's own size, n on D and n +- 1
+    on D'. Adding z to D (size n): mean' - mean = (c_z - mean) / (n + 1), and removing z from D (size n):
+    mean - mean' = (c_z - mean) / (n - 1) with ||c_z - mean|| <= 2 C (n - 1) / n (mean includes c_z); both are
+    <= 2 C / n, the bound charged (the 2 is attained up to (n-1)/n: all gradients aligned, c_z opposite).
+    """
+    if denominator is not None:
+        return clip / denominator
+    return 2.0 * clip / n
+
 
 
 def clipped_residuals(w: torch.Tensor, data: glm.SparseRows, x_norms: torch.Tensor, clip: float

@@ -18,9 +18,21 @@ estimator); the slides' "NoisyMax is eps/2-zCDP" is eps^2/2 (their Lemma 3.7); b
 slides subtract first and test rho > 0 afterwards). NoisyMax with Lap(Delta/eps) is eps-DP here because the
 candidates' clipped loss sums move in the same direction (each by [0, C_obj]) when a sample is added or removed.
 
-Privacy records: every Gaussian measurement as ``ZCDPGaussianSpend(rho)`` and every NoisyMax as
-``NoisyMaxSpend(eps)`` (pure), all full-batch (q = 1); the accountant composes them (PLD), and the zCDP total is
-reported too (rho_spent and rho + 2 sqrt(rho log 1/delta)).
+Sensitivities (add/remove one example; no denominator anywhere, so the dataset's size plays no part):
+- the gradient SUM g = sum_i clip_C(grad_i): D and D' differ by one term of norm <= C, so L2 sensitivity C (the
+  direction g~ / ||g~|| is post-processing). Noise C / sqrt(2 rho) is rho-zCDP (Bun & Steinke Prop. 1.6).
+- the NoisyMax candidates -omega_a = -sum_i min(loss_i(w - a d), C_obj): cross-entropy is >= 0, so adding z
+  lowers EVERY candidate by min(loss_z, C_obj) in [0, C_obj] (removing raises every one): monotone queries of
+  sensitivity C_obj, for which report-noisy-max with Lap(C_obj / eps) is eps-DP, hence eps^2/2-zCDP.
+
+Privacy: the budgets rho_ng, rho_nmax are chosen ADAPTIVELY (GradAvg, the last iteration), so the guarantee is
+a privacy filter: the run never lets the spent sum of rho's exceed the budget rho fixed in advance, so at every
+order alpha the Renyi filter of Feldman & Zrnic (2021) bounds the whole run by alpha rho: rho-zCDP, i.e. (rho + 2
+sqrt(rho log 1/delta), delta)-DP. That is the headline epsilon (``common.zcdp_epsilon`` of the BUDGET rho;
+``rho_spent`` <= rho is data-dependent and not itself a guarantee). The ledger records every Gaussian
+measurement as ``ZCDPGaussianSpend(rho)`` and every NoisyMax as ``NoisyMaxSpend(eps)`` (pure), all full-batch;
+composing THOSE with the PLD/RDP accountants treats adaptively chosen budgets as fixed, which no theorem covers
+for these mechanisms, so such figures are not reported as guarantees.
 """
 
 from __future__ import annotations

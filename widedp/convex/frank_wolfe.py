@@ -22,6 +22,16 @@ opposite directions) or eps0-bounded-range with Gumbel noise of scale 2 r s_t / 
 exponential mechanism). eps0 is calibrated so that T oracle calls compose to the target (PLD accountant) instead
 of the paper's advanced composition.
 
+Adjacency add/remove of one example z; the size n of the dataset enters only through b1 = f n and b = c n
+(c = (1 - f) / (T - 1)), and therefore does NOT matter: grad_t = G_t / n with G_t built from batch SUMS with the
+n-free denominators f and c, and s_t = s^_t / n with s^_t n-free, so the oracle's noisy argmax over scores
+-+r grad_t with noise scale 2 r s_t / eps0 has exactly the law of the argmax over -+r G_t with scale
+2 r s^_t / eps0 (argmax is scale-invariant). The mechanism is thus the n-free one on G_t, whose add/remove
+sensitivity is s^_t = n s_t (z's slot is drawn independently of the others' with n-free probabilities, so the
+others' batches are unchanged; the iterates are functions of earlier private outputs). The constants L0, L1 need
+||x||_inf <= 1 for every example (the data builder's unit L2 / L1 rows; ``glm.check_row_norms`` enforces it) --
+they hold for signed features too (see ``widedp.models.glm``).
+
 With ``epsilon0=None`` the oracle is exact (non-private FW; use full batches and step 2/(t+2) for the classical
 method via ``frank_wolfe_nonprivate``).
 """
@@ -63,6 +73,13 @@ def _grad_mean(w: torch.Tensor, data: glm.SparseRows, denom: float) -> torch.Ten
     return glm.weighted_grad_sum(data, r) / denom
 
 
+def vr_update(grad: torch.Tensor, w: torch.Tensor, w_prev: torch.Tensor, batch: glm.SparseRows, *, denom: float,
+              eta: float) -> torch.Tensor:
+    """grad_t from grad_{t-1}: (1 - eta)(grad_{t-1} + mean[g(w_t) - g(w_{t-1})]) + eta mean g(w_t) over ``batch``."""
+    g_now = _grad_mean(w, batch, denom)
+    return (1.0 - eta) * (grad + g_now - _grad_mean(w_prev, batch, denom)) + eta * g_now
+
+
 def sensitivities(*, iterations: int, n: int, eta: float, radius: float, first_batch_fraction: float,
                   lipschitz: float = glm.LIPSCHITZ_LINF, smooth: float = glm.SMOOTH_L1) -> list[float]:
     """[T] the l_inf sensitivity s_t of grad_t (see the module docstring); also b1, b are derived from n."""
@@ -80,6 +97,8 @@ def private_frank_wolfe(data: glm.SparseRows, *, epsilon0: float | None, iterati
     -bounded-range (gumbel); ``epsilon0=None``: exact oracle. W starts at 0 (the ball's centre)."""
     n, d, k = len(data), data.num_features, data.num_classes
     dtype = data.x.values().dtype
+    if epsilon0 is not None:
+        glm.check_row_norms(data, p=math.inf)
     T = iterations
     slot = torch.where(torch.rand(n, generator=generator) < first_batch_fraction, torch.zeros(n, dtype=torch.long),
                        1 + torch.randint(0, max(T - 1, 1), (n,), generator=generator))
@@ -96,10 +115,7 @@ def private_frank_wolfe(data: glm.SparseRows, *, epsilon0: float | None, iterati
     grad = _grad_mean(w, data.rows(batches[0]), b1)
     for t in range(T):
         if t > 0:
-            bt = data.rows(batches[t])
-            g_now = _grad_mean(w, bt, b)
-            g_prev = _grad_mean(w_prev, bt, b)
-            grad = (1.0 - eta) * (grad + g_now - g_prev) + eta * g_now
+            grad = vr_update(grad, w, w_prev, data.rows(batches[t]), denom=b, eta=eta)
         if epsilon0 is None:
             v = l1_ball_oracle(grad, radius=radius)
         else:

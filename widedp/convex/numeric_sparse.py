@@ -13,8 +13,15 @@ threshold noise: b_R = 2 b_T eps1 / eps2, i.e. each release is e_rel = s / b_R =
 accountant charges c1 segments + c1 releases per call (``SparseVectorSpend``), whatever the realised count, and
 composes them (PLD) instead of the paper's advanced composition.
 
-ERM loop (Algorithm 2): per step a group of samples is drawn, its l_inf-clipped mean gradient u (fixed denominator
-b, sensitivity s = clip / b) goes through NumericSparse, and w <- w - lr u^. The paper draws one of m FIXED groups
+Sensitivity (add/remove one example): every per-example gradient x_i r_i^T is clipped to ||.||_inf <= clip
+(||x_i r_i^T||_inf = ||x_i||_inf ||r_i||_inf, exact); the queries are |u_j| with u = (1/den) sum of the clipped
+gradients, and | |u_j| - |u'_j| | <= |u_j - u'_j|, so the l_inf sensitivity s of u bounds every query and every
+released value: s = clip / b for Poisson groups (den = b, the configured expected size: a fixed public number),
+s = 2 clip / n for a full batch (den = n, the dataset's own size, which changes with the example; see
+``common.mean_sensitivity``; the old clip / n was too small by up to 2x).
+
+ERM loop (Algorithm 2): per step a group of samples is drawn, its l_inf-clipped mean gradient u (sensitivity s as
+above) goes through NumericSparse, and w <- w - lr u^. The paper draws one of m FIXED groups
 uniformly; that does not amplify epsilon (the selected group's other members are the same every time it is drawn,
 so the mixture over groups has no component shared by neighbouring datasets), yet its Theorem 1 applies the
 subsampling lemma. We draw a fresh Poisson(q = b / n) group per step, for which amplification by subsampling holds
@@ -31,7 +38,7 @@ import numpy as np
 import torch
 
 from widedp import accounting
-from widedp.convex.common import Callback, ConvexResult, laplace, poisson_batch
+from widedp.convex.common import Callback, ConvexResult, laplace, mean_sensitivity, poisson_batch
 from widedp.convex.common import step as make_step
 from widedp.models import glm
 from widedp.spend import SparseVectorSpend
@@ -122,6 +129,16 @@ def calibrate_segment_epsilon(*, iterations: int, sampling_rate: float, cutoff: 
         steps=iterations, delta=delta, target_epsilon=target_epsilon, accountant=accountant)  # type: ignore[arg-type]
 
 
+def linf_clipped_mean(w: torch.Tensor, batch: glm.SparseRows, *, clip: float, denominator: float,
+                      x_inf: torch.Tensor | None = None) -> np.ndarray:
+    """The quantity NumericSparse sees: (1/denominator) sum_i clip_inf(grad_i), flattened [d K] (float64)."""
+    x_inf = batch.row_norms(math.inf) if x_inf is None else x_inf
+    _, r = glm.residuals(w, batch)
+    g_inf = x_inf * r.abs().amax(1)
+    r = r * torch.clamp(clip / g_inf.clamp_min(1e-30), max=1.0)[:, None]
+    return (glm.weighted_grad_sum(batch, r) / denominator).reshape(-1).double().numpy()
+
+
 def numeric_sparse_erm(data: glm.SparseRows, *, segment_epsilon: float, iterations: int, lr: float, clip: float,
                        batch_size: int, cutoff: int, threshold_scale: float, release_share: float,
                        generator: torch.Generator, callback: Callback | None = None, log_every: int = 10
@@ -131,7 +148,7 @@ def numeric_sparse_erm(data: glm.SparseRows, *, segment_epsilon: float, iteratio
     dtype = data.x.values().dtype
     q = min(1.0, batch_size / n)
     denom = float(batch_size) if q < 1.0 else float(n)
-    sens = clip / denom
+    sens = mean_sensitivity(clip, n=n, denominator=denom if q < 1.0 else None)
     b_t, b_q, b_r = noise_scales(sensitivity=sens, segment_epsilon=segment_epsilon, release_share=release_share)
     alpha = threshold_scale * b_q
     x_inf = data.row_norms(math.inf)
@@ -143,10 +160,7 @@ def numeric_sparse_erm(data: glm.SparseRows, *, segment_epsilon: float, iteratio
     for t in range(iterations):
         idx = poisson_batch(n, q, generator)
         batch = data if q >= 1.0 else data.rows(idx)
-        _, r = glm.residuals(w, batch)
-        g_inf = (x_inf if q >= 1.0 else x_inf[idx]) * r.abs().amax(1)
-        r = r * torch.clamp(clip / g_inf.clamp_min(1e-30), max=1.0)[:, None]
-        u = (glm.weighted_grad_sum(batch, r) / denom).reshape(-1).double().numpy()
+        u = linf_clipped_mean(w, batch, clip=clip, denominator=denom, x_inf=x_inf if q >= 1.0 else x_inf[idx])
         noise = SparseNoise.draw(len(u), cutoff=cutoff, b_t=b_t, b_q=b_q, b_r=b_r, generator=generator)
         hit_idx, hit_val = numeric_sparse(u, alpha=alpha, cutoff=cutoff, noise=noise)
         ledger.add(record)

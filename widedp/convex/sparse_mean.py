@@ -4,20 +4,29 @@ clipped per-sample gradients (``sparse_mean_gd``; with ``estimator: gaussian`` t
 Estimators of a mean of s-sparse vectors with ||z||_2 <= L (so the mean lies in the l1 ball of radius L sqrt(s)):
 - projection mechanism (Nikolov, Talwar & Zhang): z^ = argmin{||z - (mean + xi)||_2 : ||z||_1 <= L sqrt(s)}, xi
   Laplace (poster: b = 2 L sqrt(s) / (n eps)) or Gaussian (poster: sigma^2 = 8 L^2 ln(1.25/delta) / (n eps)^2).
+  Sensitivity of the mean (add/remove, the mean over the dataset's own n): (z - mean) / (n + 1), so <= 2 L sqrt(s)
+  / n in l1 and 2 L / n in l2 -- the poster's replace-one figures, which thus also cover add/remove; the projection
+  is post-processing. (The Gaussian formula is the classical one: valid for eps <= 1 only.)
 - Gaussian l1 recovery (compressed sensing): A ~ N(0, 1/m)^{m x d}, m = n eps sqrt(s ln(d/s) / ln(1/delta)),
   b = A mean + N(0, sigma^2 I), sigma^2 = 18 L^2 ln(2.5/delta) / (n eps)^2; z~ = argmin{||z||_1 : A z = b}, an LP
   solved with scipy.optimize.linprog(method="highs") on z = u - v, u, v >= 0.
   The poster's sigma relies on A acting as a near-isometry on s-sparse vectors (RIP, which holds w.h.p. over A and
-  cannot be certified for a given A). In the GD loop we instead use the certified add/remove sensitivity
-  ||A||_op clip / b (A block-diagonal, ||A||_op = max over blocks of the largest singular value, computed).
+  cannot be certified for a given A). In the GD loop we instead use the certified sensitivity ||A||_op Delta
+  (A data-independent and block-diagonal, ||A||_op = max over blocks of the largest singular value, computed).
+These two functions take the noise scale from the caller; ``poster_*`` give the poster's (reference only).
 
-In the GD loop (per step, Poisson(q) batch, fixed denominator b = q n, per-sample L2 clip C):
-    g^ = (1/b) sum_i clip_C(grad_i)          (add/remove L2 sensitivity C / b)
-    gaussian:    g~ = g^ + N(0, (sigma C / b)^2)
-    projection:  g~ = Proj_{l1 ball of radius l1_radius}(g^ + N(0, (sigma C / b)^2))
+In the GD loop (per step, per-example L2 clip C, adjacency add/remove of one example):
+    g^ = (1/den) sum_{i in batch} clip_C(grad_i)
+    gaussian:    g~ = g^ + N(0, (sigma Delta)^2)
+    projection:  g~ = Proj_{l1 ball of radius l1_radius}(g^ + N(0, (sigma Delta)^2))       (post-processing)
     l1_recovery: blocks of ``block_size`` coordinates, m_b = ceil(ratio * block_size) rows each,
-                 g~ = argmin ||z||_1 s.t. A z = A g^ + N(0, (sigma ||A||_op C / b)^2)
-and sigma is calibrated by the accountant for the target eps over T steps (StepSpend(q, Gaussian(sigma))).
+                 g~ = argmin ||z||_1 s.t. A z = A g^ + N(0, (sigma ||A||_op Delta)^2)
+- Poisson(q = b / n) batches (batch_size b > 0): den = b, a fixed public number; D and D' = D +- z differ by z's
+  term in the batch (when z is sampled), so Delta = C / b.
+- Full batch (batch_size 0, or b >= n): den = n, the dataset's own size, which changes with z: Delta = 2 C / n
+  (``common.mean_sensitivity``; the old C / n was exceeded by up to 1.96x on signed features, i.e. the "eps = 1"
+  full-batch runs were eps ~ 2.1).
+sigma is calibrated by the accountant for the target eps over T steps (StepSpend(q, Gaussian(sigma))).
 """
 
 from __future__ import annotations
@@ -29,7 +38,15 @@ import scipy.optimize
 import torch
 
 from widedp import accounting
-from widedp.convex.common import Callback, ConvexResult, GaussianSpend, clipped_residuals, gaussian, poisson_batch
+from widedp.convex.common import (
+    Callback,
+    ConvexResult,
+    GaussianSpend,
+    clipped_residuals,
+    gaussian,
+    mean_sensitivity,
+    poisson_batch,
+)
 from widedp.convex.common import step as make_step
 from widedp.models import glm
 
@@ -41,6 +58,8 @@ def project_l1_ball(v: torch.Tensor, radius: float) -> torch.Tensor:
     flat = v.reshape(-1)
     if float(flat.abs().sum()) <= radius:
         return v.clone()
+    if radius <= 0:
+        return torch.zeros_like(v)
     u = torch.sort(flat.abs(), descending=True).values
     css = torch.cumsum(u, 0)
     j = torch.arange(1, len(u) + 1, dtype=u.dtype)
@@ -127,18 +146,29 @@ def calibrate_sigma(*, iterations: int, sampling_rate: float, target_epsilon: fl
         target_epsilon=target_epsilon, accountant=accountant)  # type: ignore[arg-type]
 
 
+def clipped_grad_mean(w: torch.Tensor, batch: glm.SparseRows, *, clip: float, denominator: float,
+                      x_norms: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """The quantity dp_gd noises: (1/denominator) sum_i clip_C(grad_i) over ``batch`` ([d, K]), and the share of
+    clipped examples."""
+    x_norms = batch.row_norms(2.0) if x_norms is None else x_norms
+    _, r, frac = clipped_residuals(w, batch, x_norms, clip)
+    return glm.weighted_grad_sum(batch, r) / denominator, float(frac)
+
+
 def dp_gd(data: glm.SparseRows, *, noise_multiplier: float | None, iterations: int, lr: float, clip: float,
           batch_size: int, estimator: str, generator: torch.Generator, l1_radius: float = 0.0,
           block_size: int = 256, measurement_ratio: float = 0.5, callback: Callback | None = None,
           log_every: int = 10) -> ConvexResult:
     """Noisy (sub)gradient descent with per-sample clipping; ``noise_multiplier=None``: non-private (no noise).
 
-    batch_size 0 = full batch (q = 1, denominator n); else Poisson(q = batch_size / n), denominator batch_size.
+    batch_size 0 = full batch (q = 1, denominator n, sensitivity 2 C / n); else Poisson(q = batch_size / n),
+    denominator batch_size (sensitivity C / b). Noise std = noise_multiplier * sensitivity (* ||A||_op).
     """
     n, d, k = len(data), data.num_features, data.num_classes
     dtype = data.x.values().dtype
     q = 1.0 if batch_size <= 0 or batch_size >= n else batch_size / n
     denom = float(n) if q >= 1.0 else float(batch_size)
+    sens = mean_sensitivity(clip, n=n, denominator=None if q >= 1.0 else denom)
     x_norms = data.row_norms(2.0)
     w = torch.zeros(d, k, dtype=dtype)
     ledger = accounting.Ledger()
@@ -149,23 +179,23 @@ def dp_gd(data: glm.SparseRows, *, noise_multiplier: float | None, iterations: i
     for t in range(iterations):
         idx = poisson_batch(n, q, generator)
         batch = data if q >= 1.0 else data.rows(idx)
-        _, r, frac = clipped_residuals(w, batch, x_norms if q >= 1.0 else x_norms[idx], clip)
-        clipped_share += float(frac)
-        g = glm.weighted_grad_sum(batch, r) / denom
+        g, frac = clipped_grad_mean(w, batch, clip=clip, denominator=denom,
+                                    x_norms=x_norms if q >= 1.0 else x_norms[idx])
+        clipped_share += frac
         if noise_multiplier is not None:
-            std = noise_multiplier * clip / denom
+            std = noise_multiplier * sens
             if recovery is not None:
                 g = recovery(g, noise_std=std * amp, generator=generator)
             else:
                 g = g + gaussian(g.shape, std, generator, dtype)
                 if estimator == "projection":
                     g = project_l1_ball(g, l1_radius)
-            ledger.add(make_step((GaussianSpend(noise_multiplier, clip * amp / denom),), sampling_rate=q))
+            ledger.add(make_step((GaussianSpend(noise_multiplier, sens * amp),), sampling_rate=q))
         w = w - lr * g
         if callback is not None and ((t + 1) % log_every == 0 or t == iterations - 1):
-            callback(t + 1, w, {"clipped_share": float(frac)})
-    info = {"sampling_rate": q, "denominator": denom, "noise_multiplier": noise_multiplier,
-            "noise_std": (noise_multiplier * clip * amp / denom) if noise_multiplier else 0.0,
+            callback(t + 1, w, {"clipped_share": frac})
+    info = {"sampling_rate": q, "denominator": denom, "noise_multiplier": noise_multiplier, "sensitivity_l2": sens,
+            "noise_std": (noise_multiplier * sens * amp) if noise_multiplier else 0.0,
             "measurement_op_norm": amp if recovery is not None else None,
             "clipped_share": clipped_share / max(iterations, 1), "l1_radius": l1_radius}
     return ConvexResult(w, ledger, iterations, info)
