@@ -1,4 +1,5 @@
-"""report(), the paper accountant, epsilon(ledger), calibration and max_steps."""
+"""report(), the paper's Theorem 3 (a labelled reference, refused as an accountant), epsilon(ledger), calibration
+and max_steps."""
 
 import json
 import math
@@ -7,15 +8,17 @@ import warnings
 import pytest
 
 from widedp.accounting import (
+    REFERENCE_KEY,
     Ledger,
-    PaperAccountantWarning,
     calibrate_noise_multiplier,
     calibrate_selection_epsilon,
     compose_epsilon,
     epsilon,
     epsilon_for_step,
+    headline_epsilons,
     max_steps,
     paper_selection_epsilon,
+    paper_theorem3_reference,
     report,
 )
 from widedp.errors import ConfigError
@@ -31,28 +34,35 @@ def joint(sigma=0.9, eps2=0.05, k=10, q=SMALL_Q):
 
 def test_report_fields_and_consistency():
     step = joint()
-    with pytest.warns(PaperAccountantWarning, match="NOT a valid"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the paper's figure comes as labelled data, never as a Python warning
         r = report(step, steps=SMALL_T, delta=DELTA)
     json.dumps(r)  # JSON-able
-    for key in ("epsilon", "epsilon_rdp", "delta", "steps", "sampling_rate", "noise_multiplier", "adjacency", "parts",
-                "epsilon_paper", "epsilon_paper_warning"):
+    for key in ("epsilon", "epsilon_pld", "epsilon_rdp", "delta", "steps", "sampling_rate", "noise_multiplier",
+                "adjacency", "parts", "accountant", REFERENCE_KEY):
         assert key in r
+    assert REFERENCE_KEY == "paper_theorem3_reference_NOT_A_BOUND"
+    assert "NOT a valid DP bound" in r[REFERENCE_KEY]["note"] and r["accountant"] == "pld"
     assert r["adjacency"] == "add_remove" and r["steps"] == SMALL_T and r["sampling_rate"] == SMALL_Q
     assert r["noise_multiplier"] == 0.9
     parts = r["parts"]
-    assert r["epsilon"] == parts["joint"]["pld"] == epsilon_for_step(step, steps=SMALL_T, delta=DELTA)
+    assert r["epsilon"] == r["epsilon_pld"] == parts["joint"]["pld"] == epsilon_for_step(step, steps=SMALL_T,
+                                                                                         delta=DELTA)
     assert r["epsilon_rdp"] == parts["joint"]["rdp"]
     for name in ("noise", "selection"):
         assert 0 < parts[name]["pld"] < parts["joint"]["pld"]
         assert 0 < parts[name]["rdp"] < parts["joint"]["rdp"]
     assert parts["joint"]["pld"] <= parts["joint"]["rdp"]
-    # free selection: no paper figure, selection part costs nothing
+    # free selection: the selection part costs nothing
     r2 = report(StepSpend(SMALL_Q, (GaussianSpend(0.9), FreeSpend("uniform"))), steps=SMALL_T, delta=DELTA)
-    assert "epsilon_paper" not in r2 and r2["parts"]["selection"]["pld"] == 0.0
+    assert r2["parts"]["selection"]["pld"] == 0.0
     assert r2["epsilon"] == pytest.approx(r2["parts"]["noise"]["pld"])
+    # the headline follows the accountant asked for; both figures are always there
+    r3 = report(step, steps=SMALL_T, delta=DELTA, accountant="rdp")
+    assert r3["accountant"] == "rdp" and r3["epsilon"] == r["epsilon_rdp"] and r3["epsilon_pld"] == r["epsilon"]
 
 
-def test_paper_accountant_is_theorem_3_and_always_warns():
+def test_paper_reference_is_theorem_3_labelled_and_silent():
     q, t = 1e-4, 200_000
     e2 = paper_selection_epsilon(10.0, delta=5e-6, sampling_rate=q, steps=t, picks=100)
     step = StepSpend(q, (GaussianSpend(0.5), ExponentialSpend(e2, 100)))
@@ -61,14 +71,51 @@ def test_paper_accountant_is_theorem_3_and_always_warns():
     dp = DELTA / (4 * q * t)
     per = e2 * math.sqrt(200 * math.log(1 / dp)) + 2 * math.sqrt(2 * math.log(1.25 / dp)) / 0.5
     expected = 4 * q * math.sqrt(t * math.log(1 / (2 * q * t * dp))) * per
-    for _ in range(2):  # every call warns
-        with pytest.warns(PaperAccountantWarning, match=r"per-step eps = 37\.9 > 1"):
-            got = epsilon_for_step(step, steps=t, delta=DELTA, accountant="paper")
-        assert got == pytest.approx(expected, rel=1e-12)
-    assert got == pytest.approx(23.72, abs=0.01)
-    with pytest.warns(PaperAccountantWarning):  # count k == k single composes
-        assert compose_epsilon([(step, 1)] * 5, delta=DELTA, accountant="paper") == pytest.approx(
-            compose_epsilon([(step, 5)], delta=DELTA, accountant="paper"), rel=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ref = paper_theorem3_reference([(step, t)], DELTA)
+    assert ref["epsilon"] == pytest.approx(expected, rel=1e-12)
+    assert ref["epsilon"] == pytest.approx(23.72, abs=0.01) and ref["delta"] == DELTA
+    assert "NOT a valid DP bound" in ref["note"] and "per-step eps = 37.9 > 1" in ref["note"]
+    assert report(step, steps=t, delta=DELTA)[REFERENCE_KEY] == ref
+    # count k == k single runs
+    assert paper_theorem3_reference([(step, 1)] * 5, DELTA)["epsilon"] == pytest.approx(
+        paper_theorem3_reference([(step, 5)], DELTA)["epsilon"], rel=1e-12)
+
+
+def test_paper_theorem3_under_reports_so_it_is_refused_as_an_accountant():
+    # q=0.01, T=1, sigma=0.2: Theorem 3 says 5.8, the PLD (an upper bound) 22.6 and RDP more: a true eps is far above
+    step = StepSpend(0.01, (GaussianSpend(0.2), FreeSpend("uniform")))
+    paper = paper_theorem3_reference([(step, 1)], DELTA)["epsilon"]
+    assert paper == pytest.approx(5.77, abs=0.01)
+    assert epsilon_for_step(step, steps=1, delta=DELTA) == pytest.approx(22.57, abs=0.01)
+    # every entry point that drives or reports a run refuses it, with the reason and where the figure is shown
+    calls = [
+        lambda: epsilon_for_step(step, steps=1, delta=DELTA, accountant="paper"),
+        lambda: compose_epsilon([(step, 1)], delta=DELTA, accountant="paper"),
+        lambda: epsilon(Ledger([(step, 1)]), delta=DELTA, accountant="paper"),
+        lambda: headline_epsilons(Ledger([(step, 1)]), delta=DELTA, accountant="paper"),
+        lambda: report(step, steps=1, delta=DELTA, accountant="paper"),
+        lambda: calibrate_noise_multiplier(lambda s: joint(sigma=s), steps=SMALL_T, delta=DELTA, target_epsilon=2.0,
+                                           accountant="paper"),
+        lambda: calibrate_selection_epsilon(lambda x: joint(eps2=x), steps=SMALL_T, delta=DELTA,
+                                            target_epsilon=3.0, accountant="paper"),
+        lambda: max_steps(joint(), delta=DELTA, target_epsilon=1.5, accountant="paper"),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigError, match=r"^dp\.accountant: .*not a valid DP bound.*" + REFERENCE_KEY):
+            call()
+
+
+def test_headline_epsilons_is_the_summary_accountant_plus_rdp():
+    led = Ledger([(joint(), 50)])
+    for acc in ("pld", "rdp"):
+        got = headline_epsilons(led, delta=DELTA, accountant=acc)
+        assert got == {"epsilon": epsilon(led, delta=DELTA, accountant=acc), "epsilon_accountant": acc,
+                       "epsilon_rdp": epsilon(led, delta=DELTA, accountant="rdp")}
+    assert headline_epsilons(Ledger(), delta=DELTA)["epsilon"] == 0.0
+    tiny = Ledger([(StepSpend(0.01, (GaussianSpend(0.01), ExponentialSpend(0.1, 1))), 10)])
+    assert headline_epsilons(tiny, delta=DELTA)["epsilon"] == math.inf  # PLD grid too wide: inf, not a crash
 
 
 def test_epsilon_of_ledger_composes_runs():
@@ -131,7 +178,5 @@ def test_bad_input_raises_config_error():
         epsilon_for_step(joint(q=0.0), steps=10, delta=DELTA)
     with pytest.raises(ConfigError, match="noise_multiplier"):
         epsilon_for_step(joint(sigma=-1.0), steps=10, delta=DELTA)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PaperAccountantWarning)
-        with pytest.raises(ConfigError, match="one sampling rate"):
-            compose_epsilon([(joint(q=0.1), 1), (joint(q=0.2), 1)], delta=DELTA, accountant="paper")
+    with pytest.raises(ConfigError, match="one sampling rate"):
+        paper_theorem3_reference([(joint(q=0.1), 1), (joint(q=0.2), 1)], DELTA)

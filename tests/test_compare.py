@@ -114,3 +114,28 @@ def test_shipped_sweeps_validate():
         engines.add((cfg.dp.engine, cfg.dp.selection.name))
     assert engines == {("widedp", "all"), ("opacus", "all"), ("widedp", "exponential"), ("widedp", "sparse_vector"),
                        ("widedp", "uniform")}
+
+
+def test_paper_theorem3_column_is_labelled_and_never_the_epsilon(tmp_path):
+    from widedp import accounting
+    from widedp.compare import PAPER_KEY, results_markdown, run_dir, summarize
+    from widedp.spend import ExponentialSpend, GaussianSpend, StepSpend
+
+    assert PAPER_KEY == accounting.REFERENCE_KEY
+    p = _sweep(tmp_path, "runs: [{name: dp, config: base.yaml}, {name: plain, config: base.yaml}]\n")
+    sweep, out = load_sweep(p), tmp_path / "out"
+    step = StepSpend(1e-4, (GaussianSpend(0.5), ExponentialSpend(0.2702, 100)))
+    ledger = accounting.Ledger([(step, 200_000)])
+    common = {"train_loss": 1.0, "valid_loss": 1.0, "test_loss": 1.0, "steps": 200_000}
+    for name, dp in (("dp", {"epsilon": 7.79, "epsilon_rdp": 10.8, "delta": 1e-5, "accountant": "pld",
+                             "ledger": ledger.to_json()}), ("plain", None)):
+        d = run_dir(out, name, 0)
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({**common, "private": dp is not None, "dp": dp}))
+    dp_row, plain_row = summarize(sweep, out)
+    paper = accounting.paper_theorem3_reference(ledger.runs, 1e-5)["epsilon"]
+    assert dp_row[PAPER_KEY]["mean"] == pytest.approx(paper) and dp_row["epsilon"]["mean"] == 7.79
+    assert plain_row[PAPER_KEY] is None
+    md = results_markdown([dp_row, plain_row], "t")
+    assert "paper Thm 3 (NOT a bound)" in md and "NOT a valid DP bound" in md
+    assert f"| 7.790 (pld) | 10.800 | {paper:.3f} |" in md

@@ -1,25 +1,105 @@
+"""Batch samplers: the law of Poisson sampling (what the accountant assumes) — for PoissonSampler directly and for
+the batches the real DP training loop trains on — with fixed-size and shuffled batches as negative controls."""
+
+import numpy as np
+import pytest
 import torch
+from scipy import stats
 
 from widedp.sampling import PoissonSampler, ShuffledBatches
 
+P_MIN = 1e-4  # goodness-of-fit p-values below this fail (the runs are seeded: no flakiness)
 
-def test_poisson_batch_law():
-    n, q, steps = 200, 0.05, 4000
-    s = PoissonSampler(n, sampling_rate=q, seed=3)
-    sizes = torch.zeros(steps)
-    hits = torch.zeros(n)
-    for t in range(steps):
-        idx = s.batch(t)
-        assert torch.unique(idx).numel() == idx.numel()  # a set, no repeats
-        sizes[t] = idx.numel()
-        hits[idx] += 1
-    # Binomial(n, q): mean 10, var 9.5. A factor-2 error in q or a fixed batch size would fail these.
-    assert abs(sizes.mean().item() - n * q) < 0.3
-    assert abs(sizes.var().item() - n * q * (1 - q)) < 1.5
-    # every example included with probability q: chi-square over examples
-    expected = steps * q
-    chi2 = (((hits - expected) ** 2) / expected).sum().item()
-    assert chi2 < n + 4 * (2 * n) ** 0.5
+
+def binomial_gof_pvalue(x: np.ndarray, trials: int, p: float) -> float:
+    """Pearson chi-square p-value of integer samples ``x`` against Binomial(trials, p) (tail bins merged until
+    every bin expects >= 5)."""
+    x = np.asarray(x, dtype=np.int64)
+    n = len(x)
+    lo, hi = int(stats.binom.ppf(1e-6, trials, p)), int(stats.binom.isf(1e-6, trials, p))
+    edges = list(range(lo, hi + 1))  # bin k = {k}, with (-inf, lo] and [hi, inf) as the end bins
+
+    def expected(es: list[int]) -> np.ndarray:
+        cdf = stats.binom.cdf(np.array(es[:-1]), trials, p)
+        return n * np.diff(np.concatenate([[0.0], cdf, [1.0]]))
+
+    while len(edges) > 2 and expected(edges)[0] < 5:
+        edges.pop(0)
+    while len(edges) > 2 and expected(edges)[-1] < 5:
+        edges.pop(-2)
+    exp = expected(edges)
+    obs = np.bincount(np.searchsorted(np.array(edges[:-1]), x, side="left"), minlength=len(exp))
+    if len(exp) < 2:
+        return 1.0 if np.all(x == x[0]) else 0.0
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    return float(stats.chi2.sf(chi2, len(exp) - 1))
+
+
+def poisson_violations(batches: list[np.ndarray], n: int, q: float) -> list[str]:
+    """What in ``batches`` (member ids per step) contradicts Poisson(q) sampling of n examples (empty: none).
+
+    Under Poisson sampling the inclusions of every (example, step) are independent Bernoulli(q), so
+    - batch sizes are Binomial(n, q): mean nq, variance nq(1 - q) (fixed-size batches: variance 0; any dependence
+      between examples of one step moves the variance, which is the sum of their covariances);
+    - one example's inclusion count over T steps is Binomial(T, q), independently over examples (shuffled epochs:
+      exactly once per epoch, variance 0).
+    """
+    t = len(batches)
+    out = []
+    if any(len(np.unique(b)) != len(b) for b in batches):
+        out.append("a batch repeats an example")
+    sizes = np.array([len(b) for b in batches])
+    if abs(sizes.mean() - n * q) > 5 * np.sqrt(n * q * (1 - q) / t):
+        out.append(f"mean batch size {sizes.mean():.3f} vs nq = {n * q:.3f}")
+    ratio = sizes.var(ddof=1) / (n * q * (1 - q))
+    if not 1 - 5 * np.sqrt(2 / t) < ratio < 1 + 5 * np.sqrt(2 / t):
+        out.append(f"batch-size variance / nq(1-q) = {ratio:.3f}")
+    if (p := binomial_gof_pvalue(sizes, n, q)) < P_MIN:
+        out.append(f"batch sizes vs Binomial(n, q): chi-square p = {p:.2g}")
+    counts = np.bincount(np.concatenate(batches).astype(np.int64), minlength=n)
+    ratio = counts.var(ddof=1) / (t * q * (1 - q))
+    if not 1 - 5 * np.sqrt(2 / n) < ratio < 1 + 5 * np.sqrt(2 / n):
+        out.append(f"per-example inclusion-count variance / Tq(1-q) = {ratio:.3f}")
+    if (p := binomial_gof_pvalue(counts, t, q)) < P_MIN:
+        out.append(f"per-example inclusion counts vs Binomial(T, q): chi-square p = {p:.2g}")
+    return out
+
+
+def _draw(sampler, steps: int) -> list[np.ndarray]:
+    return [sampler.batch(t).numpy() for t in range(steps)]
+
+
+class _FixedSizeSubsets:
+    """Negative control: a uniform random subset of exactly b examples per step (sampling without replacement)."""
+
+    def __init__(self, n: int, b: int, seed: int) -> None:
+        self.n, self.b, self.g = n, b, torch.Generator().manual_seed(seed)
+
+    def batch(self, step: int) -> torch.Tensor:
+        return torch.randperm(self.n, generator=self.g)[: self.b]
+
+
+def test_poisson_sampler_law():
+    n, q, steps = 2000, 0.02, 3000
+    batches = _draw(PoissonSampler(n, sampling_rate=q, seed=3), steps)
+    assert poisson_violations(batches, n, q) == []
+    # inclusion frequency of every example ~ q (chi-square over examples, as counts above)
+    counts = np.bincount(np.concatenate(batches), minlength=n)
+    assert abs(counts.mean() / steps - q) < 5 * np.sqrt(q * (1 - q) / (steps * n))
+    # batch sizes: also a KS-type check of the whole CDF against Binomial(n, q)
+    sizes = np.array([len(b) for b in batches])
+    grid = np.arange(sizes.min(), sizes.max() + 1)
+    ecdf = np.searchsorted(np.sort(sizes), grid, side="right") / steps
+    assert np.abs(ecdf - stats.binom.cdf(grid, n, q)).max() < 1.95 / np.sqrt(steps)  # KS 0.1% critical value
+
+
+@pytest.mark.parametrize("control", ["fixed_size", "shuffled", "double_rate"])
+def test_poisson_checks_reject_other_samplers(control):
+    n, q, steps = 2000, 0.02, 3000
+    sampler = {"fixed_size": lambda: _FixedSizeSubsets(n, int(n * q), seed=3),
+               "shuffled": lambda: ShuffledBatches(n, batch_size=int(n * q), seed=3),
+               "double_rate": lambda: PoissonSampler(n, sampling_rate=2 * q, seed=3)}[control]()
+    assert poisson_violations(_draw(sampler, steps), n, q) != []
 
 
 def test_poisson_stateless_per_step():
@@ -40,3 +120,46 @@ def test_shuffled_batches_cover_each_epoch_once():
         seen = torch.cat([s.batch(epoch * 11 + i) for i in range(11)])
         assert torch.equal(seen.sort().values, torch.arange(103))
     assert not torch.equal(s.batch(0), s.batch(11))
+
+
+# ------------------------------------------------------------------------- the batches the DP training loop uses
+
+TEXT = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(600))
+
+
+def test_dp_training_trains_on_poisson_batches(tmp_path, monkeypatch):
+    """widedp.train.train on a tiny CBOW: the batches per_sample_row_grads actually sees are Poisson(b/n)."""
+    from widedp import train as train_mod
+    from widedp.config import load_config
+    from widedp.models.cbow import CBOW
+
+    n, b, epochs = 1000, 50, 40  # q = 0.05, 20 steps per epoch, T = 800
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(f"""
+data: {{preset: custom, corpus: "text:{corpus}", vocab_size: 11, remove_stopwords: false, alpha_only: false,
+       splits: [{n}, 50, 50], cache_dir: "{tmp_path / 'cache'}"}}
+model: {{dim: 4, tied: false}}
+train: {{epochs: {epochs}, batch_size: {b}, optimizer: sgd, lr: 0.01, log_every: 1000, eval_max_samples: 10}}
+dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0, rng: reproducible, selection: {{name: uniform, k: 2}}}}
+""")
+    cfg = load_config(cfg_path)
+    seen: list[np.ndarray] = []
+    last: dict[str, torch.Tensor] = {}
+    split_batch, row_grads = train_mod.SplitTensors.batch, CBOW.per_sample_row_grads
+
+    def batch(self, idx):
+        last["idx"] = idx
+        return split_batch(self, idx)
+
+    def per_sample_row_grads(self, bt):
+        assert bt.target.numel() == last["idx"].numel()
+        seen.append(last["idx"].cpu().numpy().copy())
+        return row_grads(self, bt)
+
+    monkeypatch.setattr(train_mod.SplitTensors, "batch", batch)
+    monkeypatch.setattr(CBOW, "per_sample_row_grads", per_sample_row_grads)
+    summary = train_mod.train(cfg, tmp_path / "run", progress=False)
+    assert summary["n_train"] == n and summary["steps"] == len(seen) == epochs * n // b
+    assert poisson_violations(seen, n, b / n) == []

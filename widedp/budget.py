@@ -5,8 +5,11 @@ The journal (``RUN/spent.json``) is written atomically *before* anything derived
 the process (logs, checkpoints). On resume:
 - seeded runs replay the lost steps bit-for-bit (same batches, same selection, same noise), which releases nothing
   new, so the ledger continues from the checkpoint and ends equal to an uninterrupted run's;
-- ``secure_rng`` runs cannot replay, so every step the journal recorded stays spent: the steps between the
+- ``dp.rng: secure`` runs cannot replay, so every step the journal recorded stays spent: the steps between the
   checkpoint and the journal's high-water mark are kept as an extra entry of the ledger.
+
+Every eps here is by ``dp.accountant`` (pld or rdp; the config refuses ``paper``); ``ledger_epsilons`` is what a run
+reports per epoch and in its summary (the headline accountant's eps, and ``epsilon_rdp`` as the cross-check).
 """
 
 from __future__ import annotations
@@ -105,6 +108,12 @@ def budget_steps(dp: DPConfig, step: StepSpend) -> int | None:
     return accounting.max_steps(step, delta=dp.delta, target_epsilon=dp.target_epsilon, accountant=dp.accountant)
 
 
+def ledger_epsilons(dp: DPConfig, ledger: accounting.Ledger) -> dict[str, Any]:
+    """eps spent by ``ledger``: ``epsilon`` by the run's accountant (the same as summary.json's headline),
+    ``epsilon_accountant`` naming it, and ``epsilon_rdp`` (the RDP cross-check); 0 for an empty ledger."""
+    return accounting.headline_epsilons(ledger, delta=dp.delta, accountant=dp.accountant)
+
+
 def write_journal(run_dir: Path, ledger: accounting.Ledger) -> None:
     write_json(run_dir / JOURNAL, ledger.to_json())
 
@@ -157,8 +166,7 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
     cap = budget_steps(dp, step)
     if cap is not None:
         steps = min(steps, cap)
-    rep = accounting.report(step, steps=steps, delta=dp.delta)
+    rep = accounting.report(step, steps=steps, delta=dp.delta, accountant=dp.accountant)
     rep.update({"n_train": n, "batch_size": cfg.train.batch_size, "selection": dp.selection.name,
-                "selection_epsilon": getattr(dp.selection, "epsilon", None), "accountant": dp.accountant,
-                "budget_steps": cap})
+                "selection_epsilon": getattr(dp.selection, "epsilon", None), "budget_steps": cap})
     return rep

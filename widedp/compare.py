@@ -13,7 +13,9 @@ A sweep file::
 Runs whose ``summary.json`` exists are skipped; a run with a checkpoint but no summary is resumed. Written:
 ``DIR/curves.png`` (a panel per run: train and test loss per epoch, mean over seeds with a min/max band, like the
 paper's Fig. 1), ``DIR/results.md`` and ``DIR/results.json`` (final losses mean ± std over seeds, the honest
-accountant's epsilon (summary ``dp.epsilon``), its RDP epsilon, wall time, samples/s).
+accountant's epsilon (summary ``dp.epsilon``), its RDP epsilon, wall time, samples/s, and — to compare with the
+paper's reported eps — the paper's Theorem 3 figure for the same steps, ``paper_theorem3_reference_NOT_A_BOUND``:
+NOT a valid DP bound, never a run's privacy).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from widedp.errors import ConfigError
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
 _RUN_KEYS = {"name", "config", "set", "seeds"}
 _TOP_KEYS = {"runs", "set", "panels"}
+PAPER_KEY = "paper_theorem3_reference_NOT_A_BOUND"  # = widedp.accounting.REFERENCE_KEY (not imported: heavy)
 
 
 @dataclass(frozen=True)
@@ -218,9 +221,23 @@ def summarize(sweep: Sweep, out: Path) -> list[dict[str, Any]]:
             row[k] = _stats([s.get(k) for s in sums])
         row["epsilon"] = _stats([d.get("epsilon") for d in dps]) if row["private"] else None
         row["epsilon_rdp"] = _stats([d.get("epsilon_rdp") for d in dps]) if row["private"] else None
+        row[PAPER_KEY] = _stats([_paper_reference(d) for d in dps]) if row["private"] else None
         row["run_dirs"] = [str(run_dir(out, name, s)) for s in run.seeds]
         rows.append(row)
     return rows
+
+
+def _paper_reference(dp: dict[str, Any]) -> float | None:
+    """The paper's Theorem 3 eps for a run's ledger (a labelled reference, NOT a bound); None where undefined."""
+    from widedp import accounting
+
+    if not dp.get("ledger") or not dp.get("delta"):
+        return None
+    try:
+        ledger = accounting.Ledger.from_json(dp["ledger"])
+        return accounting.paper_theorem3_reference(ledger.runs, dp["delta"])["epsilon"] if ledger.steps else None
+    except ConfigError:  # e.g. several sampling rates: Theorem 3 is stated for identical steps
+        return None
 
 
 def _fmt(st: dict[str, float | None] | None, digits: int = 4, pm: bool = True) -> str:
@@ -232,17 +249,20 @@ def _fmt(st: dict[str, float | None] | None, digits: int = 4, pm: bool = True) -
 
 def results_markdown(rows: list[dict[str, Any]], title: str) -> str:
     lines = [f"# {title}", "", "Final losses: mean ± std over seeds. ε: the run's accountant (summary dp.epsilon); "
-             "ε RDP: the RDP accountant. σ: the (calibrated) noise multiplier.", "",
-             "| run | seeds | train loss | valid loss | test loss | test acc. | ε | ε RDP | σ | steps | wall s "
-             "| samples/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ε RDP: the RDP accountant. σ: the (calibrated) noise multiplier. Paper Thm 3: the paper's Theorem 3 "
+             "for the same steps, shown only to compare with the paper's reported ε: it is NOT a valid DP bound "
+             "(it can under-report).", "",
+             "| run | seeds | train loss | valid loss | test loss | test acc. | ε | ε RDP | paper Thm 3 (NOT a bound) "
+             "| σ | steps | wall s | samples/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f" ({r['accountant']})" if r["private"] and r["accountant"] else ""
         lines.append(
             f"| {r['name']} | {len(r['seeds'])} | {_fmt(r['train_loss'])} | {_fmt(r['valid_loss'])} | "
             f"{_fmt(r['test_loss'])} | {_fmt(r['test_accuracy'], 3)} | "
             f"{_fmt(r['epsilon'], 3)}{acc if r['epsilon'] else ''} | "
-            f"{_fmt(r['epsilon_rdp'], 3)} | {_fmt(r['noise_multiplier'], 4, pm=False) if r['private'] else '–'} | "
+            f"{_fmt(r['epsilon_rdp'], 3)} | {_fmt(r.get(PAPER_KEY), 3)} | "
+            f"{_fmt(r['noise_multiplier'], 4, pm=False) if r['private'] else '–'} | "
             f"{_fmt(r['steps'], 0, pm=False)} | {_fmt(r['wall_s'], 1, pm=False)} | "
             f"{_fmt(r['samples_per_s'], 0, pm=False)} |")
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
-"""Front door: eps of a ledger / of T equal steps under the pld (headline), rdp (cross-check) or paper accountant,
-and the JSON ``report`` written to summary.json."""
+"""Front door: eps of a ledger / of T equal steps under the pld (headline) or rdp (cross-check) accountant, and the
+JSON ``report`` that ``widedp epsilon`` prints. The paper's Theorem 3 is not an accountant: it is refused here
+(``PAPER_REFUSED``) and appears only as the labelled ``paper_theorem3_reference_NOT_A_BOUND`` entry of ``report``."""
 
 from __future__ import annotations
 
@@ -13,15 +14,20 @@ from widedp.accounting import rdp as rdp_mod
 from widedp.accounting.ledger import Ledger, spend_to_json
 from widedp.accounting.parts import Costs, costs_of
 from widedp.errors import ConfigError
-from widedp.spend import ExponentialSpend, GaussianSpend, StepSpend
+from widedp.spend import GaussianSpend, StepSpend
 
-Accountant = Literal["pld", "rdp", "paper"]
-ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp", "paper")
+Accountant = Literal["pld", "rdp"]
+#: The accountants that may calibrate, budget and report a run (valid upper bounds on add/remove eps).
+ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
+#: Why ``accountant="paper"`` is refused (also the config error of ``dp.accountant: paper``).
+PAPER_REFUSED = paper_mod.REFUSED
 
 
 def _check(delta: float, accountant: str) -> None:
     if not (isinstance(delta, (int, float)) and 0 < delta < 1):
         raise ConfigError(f"dp.delta: must be in (0, 1), got {delta!r}")
+    if accountant == "paper":
+        raise ConfigError(f"dp.accountant: {PAPER_REFUSED}")
     if accountant not in ACCOUNTANTS:
         raise ConfigError(f"dp.accountant: expected one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
 
@@ -36,8 +42,6 @@ def compose_epsilon(runs: Sequence[tuple[StepSpend, int]], *, delta: float, acco
     runs = [(s, int(n)) for s, n in runs]
     if any(n < 0 for _, n in runs):
         raise ConfigError("accounting: step counts must be >= 0")
-    if accountant == "paper":
-        return paper_mod.paper_epsilon(runs, delta)[0]
     totals: dict[Costs, int] = {}
     for s, n in runs:
         c = costs_of(s)
@@ -58,6 +62,24 @@ def epsilon_for_step(step: StepSpend, *, steps: int, delta: float, accountant: A
     return compose_epsilon([(step, steps)], delta=delta, accountant=accountant)
 
 
+def headline_epsilons(ledger: Ledger, *, delta: float, accountant: Accountant = "pld") -> dict[str, Any]:
+    """What a run reports for its ledger (per epoch in metrics.jsonl, and in summary.json): ``epsilon`` by the run's
+    accountant (the headline, ``epsilon_accountant`` names it) and ``epsilon_rdp``, the RDP cross-check.
+
+    A PLD whose privacy-loss range is too wide for a grid (noise multiplier ~< 0.01) reports ``inf`` (a valid, if
+    useless, upper bound) instead of stopping the run.
+    """
+    _check(delta, accountant)
+    if not ledger.steps:
+        return {"epsilon": 0.0, "epsilon_accountant": accountant, "epsilon_rdp": 0.0}
+    try:
+        head = epsilon(ledger, delta=delta, accountant=accountant)
+    except pld_mod.PLDRangeError:
+        head = math.inf
+    rdp = head if accountant == "rdp" else epsilon(ledger, delta=delta, accountant="rdp")
+    return {"epsilon": head, "epsilon_accountant": accountant, "epsilon_rdp": rdp}
+
+
 def noise_part(step: StepSpend) -> StepSpend:
     """The step with only its Gaussian parts (same sampling rate)."""
     return StepSpend(step.sampling_rate, tuple(p for p in step.parts if isinstance(p, GaussianSpend)))
@@ -72,16 +94,17 @@ def _json_float(x: float) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
 
 
-def report(step: StepSpend, *, steps: int, delta: float) -> dict[str, Any]:
+def report(step: StepSpend, *, steps: int, delta: float, accountant: Accountant = "pld") -> dict[str, Any]:
     """Everything spent by ``steps`` identical steps, as a JSON-able dict.
 
-    ``epsilon`` is the PLD headline (max over add and remove), ``epsilon_rdp`` the RDP cross-check; ``parts`` gives
-    the noise alone, the selection alone (each Poisson-subsampled on its own) and the joint step (composed inside
-    the step, then subsampled once: the valid one; noise + selection separately would under-report).
-    ``epsilon_paper`` (+ ``epsilon_paper_warning``) is the paper's Theorem 3 when the selection is exponential:
-    NOT a valid bound. Infinite eps are reported as ``inf`` floats.
+    ``epsilon`` is the headline by ``accountant`` (default PLD; max over add and remove), ``epsilon_pld`` and
+    ``epsilon_rdp`` both accountants' figures; ``parts`` gives the noise alone, the selection alone (each
+    Poisson-subsampled on its own) and the joint step (composed inside the step, then subsampled once: the valid
+    one; noise + selection separately would under-report). ``paper_theorem3_reference_NOT_A_BOUND`` is the paper's
+    Theorem 3 ({"epsilon", "delta", "note"}), a labelled reference that is NOT a valid bound (no warning is
+    emitted: the label is in the key and the note). Infinite eps are reported as ``inf`` floats.
     """
-    _check(delta, "pld")
+    _check(delta, accountant)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ConfigError(f"steps: must be an integer >= 0, got {steps!r}")
     costs = costs_of(step)
@@ -90,14 +113,15 @@ def report(step: StepSpend, *, steps: int, delta: float) -> dict[str, Any]:
         e_rdp, order = rdp_mod.rdp_epsilon([(c, steps)], delta)
         parts[name] = {"pld": pld_mod.pld_epsilon([(c, steps)], delta), "rdp": e_rdp, "rdp_order": _json_float(order)}
     out: dict[str, Any] = {
-        "epsilon": parts["joint"]["pld"],
+        "epsilon": parts["joint"][accountant],
+        "epsilon_pld": parts["joint"]["pld"],
         "epsilon_rdp": parts["joint"]["rdp"],
         "delta": float(delta),
         "steps": steps,
         "sampling_rate": costs.q,
         "noise_multiplier": costs.sigma,
         "adjacency": "add_remove",
-        "accountant": "pld",
+        "accountant": accountant,
         "selection": [spend_to_json(p) for p in step.parts if not isinstance(p, GaussianSpend)],
         "parts": parts,
         "method": {
@@ -108,8 +132,6 @@ def report(step: StepSpend, *, steps: int, delta: float) -> dict[str, Any]:
             "selection is free), Balle et al. conversion",
         },
     }
-    if any(isinstance(p, ExponentialSpend) for p in step.parts) and steps > 0:
-        e_paper, warn = paper_mod.paper_epsilon([(step, steps)], delta)
-        out["epsilon_paper"] = e_paper
-        out["epsilon_paper_warning"] = warn
+    if steps > 0:
+        out[paper_mod.REFERENCE_KEY] = paper_mod.paper_theorem3_reference([(step, steps)], delta)
     return out

@@ -1,9 +1,11 @@
-"""The paper's Theorem 3 (Zhang, Mironov & Hejazinia), exactly as written — for reproducing its numbers only.
+"""The paper's Theorem 3 (Zhang, Mironov & Hejazinia), exactly as written — a labelled REFERENCE figure only.
 
-NOT a valid DP bound at the paper's parameters: its Lemma 1 (amplification) and Lemma 3 (Gaussian) need a per-step
-eps <= 1 but the paper runs at ~23 (Gaussian part alone at sigma = 0.5); Lemma 1's amplification is misquoted; Alg. 4's
-eps'' = eps'/sqrt(2k ln(1/delta')) drops the k eps''(e^eps'' - 1) term of strong composition and its loop makes k+1
-picks (privacy.md §3). Every call warns.
+It is NOT a valid DP bound and never drives a run (no calibration, no budget stop, no headline): its Lemma 1
+(amplification) and Lemma 3 (Gaussian) need a per-step eps <= 1 but the paper runs at ~23 (Gaussian part alone at
+sigma = 0.5); Lemma 1's amplification is misquoted; Alg. 4's eps'' = eps'/sqrt(2k ln(1/delta')) drops the
+k eps''(e^eps'' - 1) term of strong composition and its loop makes k+1 picks (privacy.md §3). It under-reports, e.g.
+q = 0.01, T = 1, sigma = 0.2: 5.77 where the PLD accountant gives 22.57. ``paper_theorem3_reference`` returns it as a
+dict whose ``note`` says so; nothing here emits a Python warning (the label travels in the data).
 
 Theorem 3 (b/n = q, T steps): with noise term g = 2 sqrt(2 ln(1.25/delta')) / sigma,
     eps   = 4 q sqrt(T ln(1 / (2 q T delta'))) (eps' + g),       delta = 4 q T delta'.
@@ -20,15 +22,19 @@ Our choices (the paper leaves them open):
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from widedp.errors import ConfigError
 from widedp.spend import ExponentialSpend, GaussianSpend, SparseVectorSpend, StepSpend
 
+#: The key under which reports carry the paper's figure (the name is the label).
+REFERENCE_KEY = "paper_theorem3_reference_NOT_A_BOUND"
 
-class PaperAccountantWarning(UserWarning):
-    """The paper's Theorem 3 was used; it is not a valid DP bound at per-step eps > 1."""
+REFUSED = ("accountant 'paper' (the paper's Theorem 3) is not a valid DP bound (it under-reports, e.g. q=0.01, "
+           "T=1, sigma=0.2: 5.8 where the true eps is >= 22.6), so it cannot calibrate, budget or report a run; use "
+           f"pld or rdp. The paper's figure is shown, labelled, as {REFERENCE_KEY} in `widedp epsilon CONFIG "
+           "--set dp.accountant=pld`, or by accounting.paper_theorem3_reference")
 
 
 def _delta_prime(q: float, steps: int, delta: float) -> float:
@@ -50,14 +56,14 @@ def per_step_epsilon(step: StepSpend, delta_prime: float) -> tuple[float, float]
 
 
 def paper_epsilon(runs: Sequence[tuple[StepSpend, int]], delta: float) -> tuple[float, str]:
-    """(eps, warning) of Theorem 3 for ``runs`` at the theorem's delta ``delta``; emits ``PaperAccountantWarning``."""
+    """(eps, note) of Theorem 3 for ``runs`` at the theorem's delta ``delta``. NOT a bound; emits no warning."""
     runs = [(s, n) for s, n in runs if n > 0]
     steps = sum(n for _, n in runs)
     if steps == 0:
-        return 0.0, ""
+        return 0.0, "no steps"
     qs = {s.sampling_rate for s, _ in runs}
     if len(qs) != 1:
-        raise ConfigError(f"paper accountant: Theorem 3 needs one sampling rate, got {sorted(qs)}")
+        raise ConfigError(f"paper reference: Theorem 3 needs one sampling rate, got {sorted(qs)}")
     q = qs.pop()
     dp = _delta_prime(q, steps, delta)
     per = max(sum(per_step_epsilon(s, dp)) for s, _ in runs)
@@ -67,13 +73,19 @@ def paper_epsilon(runs: Sequence[tuple[StepSpend, int]], delta: float) -> tuple[
         problems.append(f"per-step eps = {per:.3g} > 1 (Lemmas 1 and 3 need <= 1)")
     if q * per > 1 / math.sqrt(steps):
         problems.append(f"its assumption q*eps_step = {q * per:.3g} <= 1/sqrt(T) = {1 / math.sqrt(steps):.3g} fails")
-    msg = (
-        f"paper accountant (Theorem 3, eps = {eps:.4g}) is NOT a valid DP bound at per-step eps > 1"
-        + (": here " + "; ".join(problems) if problems else "")
-        + "; report the pld (or rdp) accountant instead"
+    note = (
+        f"the paper's Theorem 3 as written (eps = {eps:.4g}), for comparison with its published numbers only: NOT a "
+        "valid DP bound (its lemmas need per-step eps <= 1, its amplification lemma is misquoted, and it can "
+        "under-report)" + (": here " + "; ".join(problems) if problems else "")
+        + ". The run's privacy is the pld (or rdp) figure"
     )
-    warnings.warn(msg, PaperAccountantWarning, stacklevel=3)
-    return eps, msg
+    return eps, note
+
+
+def paper_theorem3_reference(runs: Sequence[tuple[StepSpend, int]], delta: float) -> dict[str, Any]:
+    """The paper's figure as a labelled, JSON-able reference: {"epsilon", "delta", "note"} (NOT a bound)."""
+    eps, note = paper_epsilon(runs, delta)
+    return {"epsilon": eps, "delta": float(delta), "note": note}
 
 
 def paper_selection_epsilon(
