@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from widedp import accounting, statement
+from widedp import accounting, budget, statement
 from widedp.config import Config
 
 DIAGNOSTICS_NOTICE = ("NON-PRIVATE diagnostics of the training batches (train loss, clipping, selection "
@@ -23,7 +23,7 @@ def run_statement(cfg: Config, dp: Any, ledger: accounting.Ledger, *, private_rn
     """The statement of a cbow/recsys run: the headline accountant's ε over everything the ledger recorded."""
     if dp is None:
         return statement.for_run(cfg, epsilon=None, delta=None, accountant="", private_rng=private_rng)
-    eps = accounting.epsilon(ledger, delta=dp.delta, accountant=dp.accountant) if ledger.steps else 0.0
+    eps = epoch_epsilons(dp, ledger).get("epsilon", 0.0)
     return statement.for_run(cfg, epsilon=eps, delta=dp.delta, accountant=dp.accountant, private_rng=private_rng)
 
 
@@ -45,8 +45,7 @@ def summary(cfg: Config, dp: Any, history: list[dict[str, Any]], *, step: int, p
         out["dp"] = {
             "delta": dp.delta, "noise_multiplier": dp.noise_multiplier, "selection": dp.selection.name,
             "selection_epsilon": getattr(dp.selection, "epsilon", None), "accountant": dp.accountant,
-            "epsilon": st.epsilon,
-            "epsilon_rdp": accounting.epsilon(ledger, delta=dp.delta, accountant="rdp") if ledger.steps else 0.0,
+            "epsilon": st.epsilon, "epsilon_rdp": epoch_epsilons(dp, ledger).get("epsilon_rdp", 0.0),
             "stopped_by_budget": stopped, "budget_steps": cap, "target_epsilon": dp.target_epsilon,
             "rng": dp.rng, "ledger": ledger.to_json(),
         }
@@ -55,11 +54,7 @@ def summary(cfg: Config, dp: Any, history: list[dict[str, Any]], *, step: int, p
 
 def epoch_epsilons(dp: Any, ledger: accounting.Ledger) -> dict[str, float]:
     """Per-epoch ε for metrics.jsonl: the headline accountant's (as in the summary) and the RDP cross-check."""
-    if dp is None or not ledger.steps:
-        return {}
-    return {"epsilon": accounting.epsilon(ledger, delta=dp.delta, accountant=dp.accountant),
-            "epsilon_accountant": dp.accountant,
-            "epsilon_rdp": accounting.epsilon(ledger, delta=dp.delta, accountant="rdp")}
+    return {} if dp is None or not ledger.steps else budget.ledger_epsilons(dp, ledger)
 
 
 def plot_title(cfg: Config, dp: Any, st: statement.PrivacyStatement) -> str:
