@@ -208,3 +208,24 @@ def test_config_errors(tmp_path):
         train(replace(cfg, train=replace(cfg.train, optimizer="lazy_adam")), tmp_path / "b", progress=False)
     with pytest.raises(ConfigError, match="dp.engine: opacus runs DP-SGD only"):
         config_from_dict({"dp": {"engine": "opacus", "selection": {"name": "uniform", "k": 1}}})
+
+
+def test_nonfinite_sample_contributes_zero_in_the_opacus_engine():
+    """As in widedp's step: a sample whose per-sample gradient is NaN/inf is zeroed before Opacus clips and noises."""
+    from widedp.opacus_runner import zero_nonfinite_samples
+
+    model = CBOW(V, D, tied=False, sparse=False, init_scale=8.0, generator=torch.Generator().manual_seed(3))
+    b = _batch(B=6)
+    bad_row = int(b.context[2, 0])
+    with torch.no_grad():
+        model.input.weight[bad_row] = float("nan")  # sample 2 (and any other that looks this word up) turns NaN
+    o = OpacusCBOW.from_cbow(model)
+    gsm = GradSampleModule(o, loss_reduction="sum")
+    gsm(b.target, b.context, b.negatives).sum().backward()
+    gs = [p.grad_sample for p in o.parameters()]
+    poisoned = torch.stack([~torch.isfinite(g.reshape(g.shape[0], -1)).all(1) for g in gs]).any(0)
+    assert poisoned[2] and not poisoned.all()
+    clean = [g[~poisoned].clone() for g in gs]
+    assert zero_nonfinite_samples(o) == int(poisoned.sum())
+    for g, c in zip(gs, clean):
+        assert torch.isfinite(g).all() and (g[poisoned] == 0).all() and torch.equal(g[~poisoned], c)

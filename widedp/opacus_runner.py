@@ -220,7 +220,7 @@ def _train_opacus(cfg: Config, out: Path, *, data: CBOWData, resume: bool, progr
     stopped_by_budget = False
     bar = tqdm(total=total, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
     loss_acc = torch.zeros((), device=device)
-    acc_steps, acc_samples, t0 = 0, 0, time.perf_counter()
+    acc_steps, acc_samples, nonfinite_acc, t0 = 0, 0, 0, time.perf_counter()
     t_window = t0
     while step < total:
         epoch = step // per_epoch
@@ -237,9 +237,10 @@ def _train_opacus(cfg: Config, out: Path, *, data: CBOWData, resume: bool, progr
         dp_opt.zero_grad(set_to_none=True)
         loss = gsm(target, context, negatives)
         (loss.sum() / max(m, 1)).backward()  # loss_reduction="mean": Opacus rescales by the actual batch size
+        nonfinite_acc += zero_nonfinite_samples(model)
         dp_opt.step()
         ledger.add(spend)
-        loss_acc += loss.detach().sum()
+        loss_acc += torch.where(torch.isfinite(loss), loss, 0.0).detach().sum()
         acc_samples += m
         step += 1
         acc_steps += 1
@@ -248,11 +249,14 @@ def _train_opacus(cfg: Config, out: Path, *, data: CBOWData, resume: bool, progr
         if acc_steps == tc.log_every or end_of_epoch:
             now = time.perf_counter()
             rec = {"kind": "interval", "step": step, "epoch": epoch, "samples": acc_samples,
-                   "train_loss": float(loss_acc) / max(acc_samples, 1), "samples_per_s": acc_samples / (now - t_window)}
+                   "train_loss": float(loss_acc) / max(acc_samples, 1), "samples_per_s": acc_samples / (now - t_window),
+                   "nonfinite_samples": nonfinite_acc}
+            if nonfinite_acc:
+                run_summary.warn_nonfinite(nonfinite_acc, step)
             log(rec)
             bar.set_postfix(loss=f"{rec['train_loss']:.4f}")
             loss_acc.zero_()
-            acc_steps, acc_samples, t_window = 0, 0, time.perf_counter()
+            acc_steps, acc_samples, nonfinite_acc, t_window = 0, 0, 0, time.perf_counter()
         if end_of_epoch:
             history.append(record(epoch))
             log({"kind": "epoch", **history[-1]})
@@ -295,6 +299,22 @@ def _train_opacus(cfg: Config, out: Path, *, data: CBOWData, resume: bool, progr
         print(f"widedp: stopped at step {step}: the next step would exceed dp.target_epsilon="
               f"{dp.target_epsilon} (checkpoint saved in {out})")
     return summary
+
+
+def zero_nonfinite_samples(model: torch.nn.Module) -> int:
+    """Zero every per-sample gradient (``p.grad_sample``, all parameters) of a sample with a NaN/inf anywhere, before
+    Opacus clips: as in widedp's step, such a sample contributes zero, and no non-finite value reaches the noise.
+    Returns how many samples were zeroed."""
+    grads = [p.grad_sample for p in model.parameters() if getattr(p, "grad_sample", None) is not None]
+    if not grads:
+        return 0
+    bad = torch.zeros(grads[0].shape[0], dtype=torch.bool, device=grads[0].device)
+    for g in grads:
+        bad |= ~torch.isfinite(g.reshape(g.shape[0], -1)).all(dim=1)
+    if bad.any():
+        for g in grads:
+            g[bad] = 0
+    return int(bad.sum())
 
 
 def _endless(loader: DataLoader) -> Any:
