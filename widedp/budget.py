@@ -3,10 +3,12 @@ spent-budget journal that survives crashes.
 
 The journal (``RUN/spent.json``) is written atomically *before* anything derived from the steps it covers leaves
 the process (logs, checkpoints). On resume:
-- seeded runs replay the lost steps bit-for-bit (same batches, same selection, same noise), which releases nothing
-  new, so the ledger continues from the checkpoint and ends equal to an uninterrupted run's;
-- ``dp.rng: secure`` runs cannot replay, so every step the journal recorded stays spent: the steps between the
-  checkpoint and the journal's high-water mark are kept as an extra entry of the ledger.
+- a run whose seeds and generator states are in ``RUN/private/`` (``widedp.rng``) replays the lost steps bit-for-bit
+  (same batches, same selection, same noise), which releases nothing new, so the ledger continues from the
+  checkpoint and ends equal to an uninterrupted run's;
+- a run that cannot replay (``private/`` lost, or the Opacus engine) gets fresh randomness, so every step the journal
+  recorded stays spent: the steps between the checkpoint and the journal's high-water mark are kept as an extra
+  entry of the ledger.
 
 Every eps here is by ``dp.accountant`` (pld or rdp; the config refuses ``paper``); ``ledger_epsilons`` is what a run
 reports per epoch and in its summary (the headline accountant's eps, and ``epsilon_rdp`` as the cross-check).
@@ -145,6 +147,9 @@ def train_size(cfg: Config) -> int:
 
 def epsilon_report(cfg: Config) -> dict[str, Any]:
     """``widedp epsilon``: what the config would spend over its whole run (JSON-able; no training)."""
+    if cfg.task == "glm":
+        raise ConfigError("epsilon: task glm algorithms calibrate their noise to algorithm.epsilon when they run; "
+                          "`widedp train CONFIG` (seconds) reports the spent epsilon in summary.json")
     if cfg.dp is None:
         raise ConfigError("epsilon: the config has no dp: section (non-private training spends no budget)")
     if cfg.task == "cbow":
