@@ -1,1 +1,30 @@
-"""widedp."""
+"""widedp: differentially private training of wide models (embedding tables) with sparse DP row selection.
+
+The public API, imported on first use (``import widedp`` stays light)::
+
+    engine = widedp.PrivacyEngine(selection=..., clip1=..., clip2=..., noise_multiplier=... | target_epsilon=...)
+    model, optimizer, loader = engine.make_private(model, optimizer, data_loader, epochs=...)
+
+``PrivacyEngine`` and its errors live in ``widedp.api``; ``dp_step`` (the pure DP step) in ``widedp.step``, on
+``PerSampleRows`` (``widedp.rowgrads``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["BudgetExhausted", "IdOutOfRangeError", "PerSampleRows", "PrivacyEngine", "UnsupportedModelError", "dp_step"]
+
+_HOME = {"BudgetExhausted": "widedp.api", "IdOutOfRangeError": "widedp.api", "PrivacyEngine": "widedp.api",
+         "UnsupportedModelError": "widedp.api", "PerSampleRows": "widedp.rowgrads", "dp_step": "widedp.step"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
+    raise AttributeError(f"module 'widedp' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

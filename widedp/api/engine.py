@@ -1,0 +1,375 @@
+"""widedp's front door: DP-sparse training of your own wide model.
+
+    engine = widedp.PrivacyEngine(selection={"name": "exponential", "k": 64, "epsilon": 0.05, "score_clip": 0.05},
+                                  clip1=1.0, clip2=1.0, target_epsilon=3.0, delta=1e-5)
+    model, optimizer, loader = engine.make_private(model, optimizer, data_loader, epochs=2)
+    for epoch in range(2):
+        for batch in loader:                       # Poisson batches, q = batch_size / len(dataset)
+            loss = per_sample_loss(model, batch)   # [B]: reduction="none"
+            loss.sum().backward()                  # one backward: per-sample gradients are recorded by hooks
+            optimizer.step()                       # the DP step (widedp.step.dp_step) and the updates
+    print(engine.statement().text)                 # (ε, δ) for adding/removing one training example [PLD]
+
+or, without the optimizer protocol, ``engine.step(batch, loss_fn)`` (loss_fn(batch) -> [B] losses).
+
+Each sample's loss must depend on that sample alone (no batch norm — refused —, no in-batch negatives) and every
+trainable parameter must be read inside its module's forward; a dense parameter whose per-sample gradients do not add
+up to its gradient, or a table read outside its lookup, stops the step with an error.
+
+Every step is ``dp_step`` on the batch's per-sample row gradients (``widedp.api.capture`` / ``per_sample``): clip
+each sample at S1 over all it touched (its table rows and the dense layers), select table rows privately among ALL
+rows, clip at S2, Gaussian noise on the selected rows and on every dense parameter; the ledger records what it
+spent (PLD accountant). Checkpoints: ``model.state_dict()``, ``optimizer.state_dict()`` and ``engine.state_dict()``
+(step, ledger, table optimizer state; never a seed) go anywhere; ``engine.save_private(dir)`` writes the secret
+seeds and generator state to ``dir/private/`` (mode 0700) — never share it. To resume: rebuild, ``make_private``,
+load the three state dicts, then ``engine.load_private(dir)``: the run replays exactly (tested). Without the private
+state a resumed run draws fresh secret randomness; the ledger still counts every step up to the checkpoint, but
+anything you released from steps after the checkpoint stays spent too (add it with ``engine.ledger.add``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from widedp import accounting, budget, rng
+from widedp.api.capture import Capture
+from widedp.api.loader import PoissonLoader
+from widedp.api.per_sample import Layout, batch_size_of, per_sample_rows, with_always_rows
+from widedp.api.update import Updater
+from widedp.config import SELECTIONS, DPConfig, SelectionConfig
+from widedp.errors import ConfigError
+from widedp.rowgrads import PerSampleRows
+from widedp.sampling import PoissonSampler
+from widedp.selection import SelectionContext, make_selector
+from widedp.spend import StepSpend
+from widedp.statement import PrivacyStatement
+from widedp.step import StepStats, dp_step
+
+STATE_FORMAT = "widedp.engine/1"
+UNIT_NAMES = {"example": "training example"}
+
+
+class BudgetExhausted(RuntimeError):
+    """The next step would spend more than ``target_epsilon``."""
+
+
+def selection_config(selection: SelectionConfig | dict[str, Any] | str) -> SelectionConfig:
+    """A ``widedp.config`` selection dataclass from itself, a dict ``{"name": ..., **fields}`` or a name."""
+    if isinstance(selection, tuple(SELECTIONS.values())):
+        return selection  # type: ignore[return-value]
+    d = {"name": selection} if isinstance(selection, str) else dict(selection)
+    name = d.pop("name", None)
+    if name not in SELECTIONS:
+        raise ConfigError(f"selection: name must be one of {', '.join(SELECTIONS)}, got {name!r}")
+    try:
+        return SELECTIONS[name](**d)
+    except TypeError as e:
+        raise ConfigError(f"selection ({name}): {e}") from None
+
+
+class DPOptimizer:
+    """The optimizer ``make_private`` returns: ``step()`` runs the DP step on the per-sample gradients recorded by the
+    last forward + ``backward``; everything else is the original optimizer's (``original_optimizer``; attach LR
+    schedulers to it)."""
+
+    def __init__(self, engine: PrivacyEngine, original: torch.optim.Optimizer) -> None:
+        self.engine, self.original_optimizer = engine, original
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.original_optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("DPOptimizer.step: closures are not supported (one forward + backward per step)")
+        self.engine._step_recorded()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.original_optimizer.load_state_dict(state)
+
+
+class PrivacyEngine:
+    """DP-sparse training of a wide model (see the module docstring).
+
+    Args:
+        selection: the row selection: a ``widedp.config`` selection dataclass, or a dict like
+            ``{"name": "exponential", "k": 64, "epsilon": 0.05, "score_clip": 0.05}`` (``uniform``, ``sparse_vector``,
+            ``gaussian_threshold``, ``random_sparsification``, ``all`` = DP-SGD; fields as in ``dp.selection``).
+        clip1: S1, each sample's L2 clip over everything it touched. clip2: S2, the selected gradient's (None: none).
+        noise_multiplier: σ, relative to min(S1/b, 2·S2); or None with ``target_epsilon``: σ is calibrated so that
+            the planned run (``epochs``) spends at most ``target_epsilon``.
+        target_epsilon: also stops the run before a step would spend more (``BudgetExhausted``).
+        delta: δ. accountant: ``pld`` (headline) or ``rdp``.
+        privacy_unit: what one item of your dataset is ("example", "user", ...): the ε protects one such item.
+        secure_rng: False (tests, debugging) derives sampling, selection and noise from ``seed``: NOT private, and
+            ``statement()`` says so.
+    """
+
+    def __init__(self, *, selection: SelectionConfig | dict[str, Any] | str, clip1: float, clip2: float | None = None,
+                 noise_multiplier: float | None = None, target_epsilon: float | None = None, delta: float = 1e-5,
+                 privacy_unit: str = "example", accountant: Literal["pld", "rdp"] = "pld", secure_rng: bool = True,
+                 seed: int = 0) -> None:
+        if noise_multiplier is None and target_epsilon is None:
+            raise ConfigError("PrivacyEngine: give noise_multiplier, target_epsilon, or both")
+        sigma = 1.0 if noise_multiplier is None else noise_multiplier  # 1.0: a placeholder until calibrated
+        self._dp = DPConfig(clip1=clip1, clip2=clip2, noise_multiplier=sigma, delta=delta,
+                            accountant=accountant, target_epsilon=target_epsilon,
+                            rng="secure" if secure_rng else "reproducible", selection=selection_config(selection))
+        self._sigma_given = noise_multiplier is not None
+        self.privacy_unit = privacy_unit
+        self._seeds = rng.new_seeds(mode=self._dp.rng, seed=seed)
+        if not secure_rng:
+            warnings.warn("PrivacyEngine(secure_rng=False): the randomness is derived from `seed`: NOT private",
+                          stacklevel=2)
+        self.ledger = accounting.Ledger()
+        self.steps = 0
+        self.stopped_by_budget = False
+        self.last_stats: StepStats | None = None
+        self._capture: Capture | None = None
+        self._last_private: int = -1
+
+    # --------------------------------------------------------------------------------------------------- setup
+
+    def make_private(self, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any, *, epochs: int,
+                     table_optimizer: str | None = None, loss_reduction: Literal["sum", "mean"] = "sum",
+                     ) -> tuple[nn.Module, DPOptimizer, PoissonLoader]:
+        """Hook ``model``, wrap ``optimizer``, and replace ``data_loader`` by Poisson batches of its dataset.
+
+        Args:
+            model: any nn.Module whose wide parts are nn.Embedding / nn.EmbeddingBag / torchrec
+                EmbeddingBagCollection / EmbeddingCollection; returned as is (hooks attached).
+            optimizer: a torch optimizer over ``model.parameters()``: it updates the dense layers with the noisy
+                gradient; tables get widedp's row optimizer (``widedp.api.update``).
+            data_loader: a DataLoader over a map-style dataset; its ``batch_size`` is b, the expected batch size.
+            epochs: the planned run (calibration, the loader's length, the selection's epoch schedule).
+            table_optimizer: ``sgd`` | ``lazy_adam`` | ``adam`` (None: from ``optimizer``'s type).
+            loss_reduction: what ``loss.backward()`` ran on: ``sum`` (recommended) or ``mean`` of the [B] losses.
+        """
+        if self._capture is not None:
+            raise RuntimeError("make_private: this engine already trains a model; make a new PrivacyEngine")
+        if epochs < 1 or loss_reduction not in ("sum", "mean"):
+            raise ConfigError(f"make_private: epochs must be >= 1 and loss_reduction sum or mean, got {epochs}, "
+                              f"{loss_reduction!r}")
+        dataset, b = data_loader.dataset, data_loader.batch_size
+        n = len(dataset)
+        if not isinstance(b, int) or not 1 <= b <= n:
+            raise ConfigError(f"make_private: data_loader.batch_size must be an int in [1, {n}] (the expected Poisson "
+                              f"batch size), got {b!r}")
+        capture = Capture(model)
+        try:
+            self._setup(capture, optimizer, n=n, b=b, epochs=epochs, table_optimizer=table_optimizer)
+        except BaseException:
+            capture.remove()
+            raise
+        self._capture, self._mean = capture, loss_reduction == "mean"
+        return model, DPOptimizer(self, optimizer), PoissonLoader(self, dataset, data_loader.collate_fn)
+
+    def _setup(self, capture: Capture, optimizer: torch.optim.Optimizer, *, n: int, b: int, epochs: int,
+               table_optimizer: str | None) -> None:
+        """Row space, update, sampling, selection, σ (calibrated when asked) and the budget cap."""
+        self.layout = Layout.of(capture.tables, capture.dense_params)
+        self._updater = Updater(self.layout, optimizer, table_optimizer)
+        self._updater.clear_grads()  # gradients from before make_private are not this run's
+        self.n, self.batch_size, self.epochs = n, b, epochs
+        self.sampling_rate = b / n
+        self.steps_per_epoch = budget.steps_per_epoch(b, n)
+        self.total_steps = epochs * self.steps_per_epoch
+        self._selector = make_selector(self._dp.selection, num_rows=self.layout.table_rows)
+        dp = self._dp
+        if not self._sigma_given:
+            sigma = accounting.calibrate_noise_multiplier(self._spend, steps=self.total_steps, delta=dp.delta,
+                                                          target_epsilon=dp.target_epsilon, accountant=dp.accountant)
+            self._dp = dp = dataclasses.replace(dp, noise_multiplier=sigma)
+        self.budget_steps = None if dp.target_epsilon is None else accounting.max_steps(
+            self._spend(dp.noise_multiplier), delta=dp.delta, target_epsilon=dp.target_epsilon,
+            accountant=dp.accountant)
+        self._device = self.layout.tables[0].weight.device
+        self._start_randomness(self._seeds)
+
+    def _spend(self, sigma: float) -> StepSpend:
+        """What one step spends at noise multiplier ``sigma`` (the same record ``widedp epsilon`` composes)."""
+        dp = dataclasses.replace(self._dp, noise_multiplier=sigma)
+        return budget.step_spend(dp, num_rows=self.layout.table_rows, batch_size=self.batch_size, n=self.n)
+
+    def _start_randomness(self, seeds: rng.RunSeeds) -> None:
+        self._seeds = seeds
+        self._sampler = PoissonSampler(self.n, sampling_rate=self.sampling_rate, seed=seeds.sampling)
+        self._noise = torch.Generator(device=self._device)
+        self._noise.manual_seed(seeds.noise)
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ (calibrated by ``make_private`` when only ``target_epsilon`` was given)."""
+        return self._dp.noise_multiplier
+
+    def remove_hooks(self) -> None:
+        """Detach the engine from the model (no more recording or id checks)."""
+        if self._capture is not None:
+            self._capture.remove()
+
+    # ---------------------------------------------------------------------------------------------------- steps
+
+    def budget_exhausted(self) -> bool:
+        """Would the next step spend more than ``target_epsilon``?"""
+        return self.budget_steps is not None and self.ledger.steps >= self.budget_steps
+
+    def batch_indices(self, step: int) -> list[int]:
+        """The dataset indices of step ``step``'s Poisson batch (a pure function of the secret seed and the step)."""
+        return self._sampler.batch(step).tolist()
+
+    def per_sample_grads(self, batch: Any, loss_fn: Any) -> tuple[Tensor, PerSampleRows]:
+        """([B] losses, each sample's gradient over ``self.layout``'s rows) from one forward and one backward of
+        ``loss_fn(batch)`` ([B] per-sample losses), without stepping."""
+        cap = self._ready()
+        cap.clear()
+        self._updater.clear_grads()
+        loss = loss_fn(batch)
+        if not isinstance(loss, Tensor) or loss.dim() != 1:
+            raise ValueError(f"loss_fn must return the [B] per-sample losses (reduction='none'), got "
+                             f"{getattr(loss, 'shape', type(loss))}")
+        loss.sum().backward()
+        g = self._collect(loss.shape[0], scale=1.0)
+        self._updater.clear_grads()  # the non-private summed gradient backward left on dense parameters
+        return loss.detach(), g
+
+    def step(self, batch: Any, loss_fn: Any) -> Tensor:
+        """One DP step on ``batch`` (from the loader): loss_fn(batch) -> [B] per-sample losses. Returns them."""
+        self._check_budget()
+        loss, g = self.per_sample_grads(batch, loss_fn)
+        self._dp_update(g)
+        return loss
+
+    def _step_recorded(self) -> None:
+        """``optimizer.step()``: the DP step on what the last forward + backward recorded."""
+        cap = self._ready()
+        self._check_budget()
+        b = batch_size_of(cap.records)
+        self._dp_update(self._collect(b, scale=float(b) if self._mean else 1.0))
+
+    def empty_step(self) -> None:
+        """The step of an empty Poisson batch: no data, the same selection and noise, the same spend."""
+        self._check_budget()
+        lay = self.layout
+        empty = PerSampleRows(values=torch.zeros(0, lay.dim, dtype=lay.dtype, device=self._device),
+                              rows=torch.zeros(0, dtype=torch.long, device=self._device),
+                              offsets=torch.zeros(1, dtype=torch.long, device=self._device), num_rows=lay.table_rows)
+        dense = torch.zeros(0, lay.always_rows, lay.dim, dtype=lay.dtype, device=self._device)
+        self._dp_update(with_always_rows(empty, dense, num_rows=lay.num_rows))
+
+    def _ready(self) -> Capture:
+        if self._capture is None:
+            raise RuntimeError("call engine.make_private(model, optimizer, data_loader, epochs=...) first")
+        return self._capture
+
+    def _check_budget(self) -> None:
+        if self.budget_exhausted():
+            self.stopped_by_budget = True
+            raise BudgetExhausted(f"step {self.steps}: the next step would exceed target_epsilon="
+                                  f"{self._dp.target_epsilon} (spent: ε={self.epsilon():.4g})")
+
+    def _collect(self, batch: int, *, scale: float) -> PerSampleRows:
+        cap = self._ready()
+        cap.check_tables_untouched()
+        cap.enabled = False  # torch.func re-runs layers: record nothing meanwhile
+        try:
+            return per_sample_rows(cap.records, self.layout, batch=batch, scale=scale)
+        finally:
+            cap.enabled = True
+            cap.clear()
+
+    def _dp_update(self, g: PerSampleRows) -> None:
+        dp = self._dp
+        epoch = min(self.steps // self.steps_per_epoch, self.epochs - 1)
+        with torch.no_grad():
+            res = dp_step(g, batch_size=self.batch_size, sampling_rate=self.sampling_rate, clip1=dp.clip1,
+                          clip2=dp.clip2, noise_multiplier=dp.noise_multiplier, selector=self._selector,
+                          ctx=SelectionContext(epoch=epoch, num_epochs=self.epochs), generator=self._noise,
+                          always_rows=self.layout.always_rows)
+            self._updater.apply(res.grad)
+        self.ledger.add(res.spend)
+        self.steps += 1
+        self.last_stats = res.stats
+
+    # ------------------------------------------------------------------------------------------------- privacy
+
+    def epsilon(self, delta: float | None = None) -> float:
+        """ε spent so far at ``delta`` (default: the engine's δ), by the engine's accountant."""
+        return accounting.epsilon(self.ledger, delta=self._dp.delta if delta is None else delta,
+                                  accountant=self._dp.accountant)
+
+    def statement(self) -> PrivacyStatement:
+        """The guarantee so far, with its unit and accountant; NOT PRIVATE with ``secure_rng=False``."""
+        unit = UNIT_NAMES.get(self.privacy_unit, self.privacy_unit)
+        reason = "" if self._seeds.private else ("secure_rng=False: sampling, selection and noise are derived from "
+                                                  "the public seed given to PrivacyEngine")
+        return PrivacyStatement(self.epsilon(), self._dp.delta, unit, accountant=self._dp.accountant.upper(),
+                                private=self._seeds.private, reason=reason,
+                                extra={"noise_multiplier": self.noise_multiplier, "steps": self.steps,
+                                       "sampling_rate": self.sampling_rate, "selection": self._dp.selection.name})
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+
+    def _settings(self) -> dict[str, Any]:
+        dp = self._dp
+        return {"n": self.n, "batch_size": self.batch_size, "epochs": self.epochs, "num_rows": self.layout.num_rows,
+                "noise_multiplier": dp.noise_multiplier, "clip1": dp.clip1, "clip2": dp.clip2, "delta": dp.delta,
+                "accountant": dp.accountant, "selection": dataclasses.asdict(dp.selection)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step, ledger (JSON), table optimizer state and the settings they belong to; no seed, no generator state
+        (``save_private``). Loads with ``torch.load(weights_only=True)``."""
+        self._ready()
+        return {"format": STATE_FORMAT, "steps": self.steps, "ledger": self.ledger.to_json(),
+                "tables": self._updater.state_dict(), "settings": self._settings()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._ready()
+        if state.get("format") != STATE_FORMAT:
+            raise ConfigError(f"engine state: expected format {STATE_FORMAT!r}, got {state.get('format')!r}")
+        mine = self._settings()
+        diff = [k for k in mine if state["settings"].get(k) != mine[k]]
+        if diff:
+            raise ConfigError(f"engine state: written with other settings: {', '.join(diff)} "
+                              f"({[state['settings'].get(k) for k in diff]} vs {[mine[k] for k in diff]})")
+        self._updater.load_state_dict(state["tables"])
+        self.ledger = accounting.Ledger.from_json(state["ledger"])
+        self.steps = int(state["steps"])
+
+    def save_private(self, run_dir: str | Path) -> None:
+        """Write the secret seeds and the noise generator's state at this step to ``run_dir/private/`` (0700);
+        the previous save's state is kept until this one is written. Never share that folder."""
+        self._ready()
+        d = Path(run_dir)
+        rng.save_seeds(d, self._seeds)
+        rng.prune_states(d, self._last_private)
+        rng.save_states(d, self.steps, {"noise": self._noise.get_state()})
+        self._last_private = self.steps
+
+    def load_private(self, run_dir: str | Path) -> None:
+        """Restore what ``save_private`` wrote at this step (call after ``load_state_dict``): exact replay."""
+        self._ready()
+        d = Path(run_dir)
+        seeds = rng.load_seeds(d)
+        if seeds is None:
+            raise ConfigError(f"{d}: no private state in {d / rng.PRIVATE_DIR}")
+        if seeds.mode != self._dp.rng:
+            raise ConfigError(f"{d}: private state is {seeds.mode!r}, this engine is {self._dp.rng!r}")
+        states = rng.load_states(d, self.steps)
+        if states is None:
+            raise ConfigError(f"{d}: no generator state for step {self.steps}; save_private and state_dict must "
+                              "come from the same step (load_state_dict first)")
+        self._start_randomness(seeds)
+        self._noise.set_state(states["noise"])
+        self._last_private = self.steps
