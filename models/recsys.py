@@ -23,9 +23,11 @@ MEAN), duplicate rows of a sample are summed (``widedp.rowgrads.coalesce``).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,19 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from widedp.rowgrads import PerSampleRows, coalesce
 
 Layers = list[tuple[Tensor, Tensor]]
+
+
+class _FxTracingNotice(logging.Filter):
+    """Drops torch's one notice "is_fx_tracing will return true for both fx.symbolic_trace and torch.export ...":
+    torch.fx's ``ProxyableClassMeta.__call__`` (the metaclass of torchrec's KeyedJaggedTensor) calls the deprecated
+    ``is_fx_tracing()`` on every KJT built, which logs it once per process. Nothing here traces; every other record
+    of that logger passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("is_fx_tracing will return true")
+
+
+logging.getLogger("torch.fx._symbolic_trace").addFilter(_FxTracingNotice())
 
 
 @dataclass(frozen=True)
@@ -186,6 +201,39 @@ def with_dense_rows(emb: PerSampleRows, g_dense: Tensor, *, first_row: int, num_
     return PerSampleRowsWithDense(values=values, rows=rows, offsets=offsets, num_rows=num_rows, always_rows=A)
 
 
+# -------------------------------------------------------------------------------------------------- the metrics
+
+
+def exact_auc(scores: Tensor, labels: Tensor) -> float:
+    """ROC AUC = P(score of a random positive > that of a random negative) + 1/2 P(tie), exactly (Mann–Whitney U
+    with mid-ranks for ties); NaN when a class is absent."""
+    s = scores.detach().double().flatten()
+    y = labels.detach().flatten() > 0.5
+    n_pos = int(y.sum())
+    n_neg = y.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    _, inv, counts = torch.unique(s, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()
+    mid = ends - (counts.double() - 1) / 2  # 1-based average rank of each distinct score
+    rank_sum = mid.index_select(0, inv)[y].sum()
+    return float((rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def binary_metrics(logits: Tensor, labels: Tensor) -> dict[str, float]:
+    """``bce``: mean BCE (nats); ``auc``: ``exact_auc``; ``ne``: normalised entropy = bce / H(p), p the evaluated
+    examples' positive rate (He et al. 2014; torchrec.metrics.ne's definition): < 1 beats predicting the base
+    rate, NaN when p is 0 or 1."""
+    z = logits.detach().double().flatten()
+    y = labels.detach().double().flatten()
+    if z.numel() == 0:
+        return {"bce": float("nan"), "auc": float("nan"), "ne": float("nan")}
+    bce = float(F.binary_cross_entropy_with_logits(z, y, reduction="mean"))
+    p = float(y.mean())
+    h = -(p * math.log(p) + (1 - p) * math.log(1 - p)) if 0 < p < 1 else float("nan")
+    return {"bce": bce, "auc": exact_auc(z, y), "ne": bce / h}
+
+
 # ---------------------------------------------------------------------------------------------------- the model
 
 
@@ -265,6 +313,19 @@ class RecsysModel(nn.Module):
     def forward(self, batch: RecsysBatch) -> Tensor:
         """[B] per-sample BCE loss."""
         return F.binary_cross_entropy_with_logits(self.logits(batch), batch.labels, reduction="none")
+
+    @torch.inference_mode()
+    def eval_metrics(self, split: Any, *, batch_size: int, max_samples: int = 0) -> dict[str, float]:
+        """``binary_metrics`` (bce, auc, ne) over a split (``len()``, ``batch(idx)``) or its first ``max_samples``."""
+        n = len(split) if not max_samples else min(max_samples, len(split))
+        logits, labels = [], []
+        for start in range(0, n, batch_size):
+            b = split.batch(torch.arange(start, min(n, start + batch_size), device=self.dense.device))
+            logits.append(self.logits(b).cpu())
+            labels.append(b.labels.cpu())
+        if not logits:
+            return binary_metrics(torch.zeros(0), torch.zeros(0))
+        return binary_metrics(torch.cat(logits), torch.cat(labels))
 
     def per_sample_row_grads(self, batch: RecsysBatch) -> tuple[Tensor, PerSampleRowsWithDense]:
         """Per-sample loss [B] and gradients over the row space (closed form; run under inference mode).

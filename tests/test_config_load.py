@@ -203,3 +203,12 @@ def test_cli_reports_one_line_exit_2(tmp_path, capsys, content, overrides, needl
     assert main(["epsilon", str(p), *(x for ov in overrides for x in ("--set", ov))]) == 2
     err = capsys.readouterr().err
     assert err.startswith("widedp: error: ") and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_exponent_numbers_that_yaml_reads_as_strings_are_numbers(tmp_path):
+    """PyYAML (YAML 1.1) reads 1e-6 as the string '1e-6'; a float field accepts it, and only that form."""
+    from widedp.config import config_from_dict
+
+    assert config_from_dict({"dp": {"delta": "1e-6", "selection": {"name": "all"}}}).dp.delta == 1e-6
+    with pytest.raises(ConfigError, match="dp.delta: expected a number"):
+        config_from_dict({"dp": {"delta": "1e-6x", "selection": {"name": "all"}}})

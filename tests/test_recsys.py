@@ -224,8 +224,9 @@ def test_shipped_configs_load():
     assert cfg.task == "recsys" and cfg.dp.selection.name == "exponential"
     assert load_config("configs/recsys_synthetic_sparse_exp.yaml",
                        ["dp.selection={name: uniform, k: 100}"]).dp.selection.name == "uniform"
+    assert load_config("configs/movielens_sparse_exp.yaml").data.source == "movielens100k"  # works out of the box
     with pytest.raises(ConfigError, match=r"^data\.source: file not found: data/ml-1m/ratings\.dat"):
-        load_config("configs/movielens_sparse_exp.yaml")  # no MovieLens here; the message says where it goes
+        load_config("configs/movielens_sparse_exp.yaml", ["data.preset=movielens"])
 
 
 # ------------------------------------------------------------------------------------- dp_step always_rows

@@ -48,9 +48,9 @@ def load_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu") -> 
         raise ConfigError(f"{path}: cannot be loaded safely ({type(e).__name__})") from None
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically."""
-    data = json.dumps(obj, indent=2, sort_keys=True).encode()
+def write_json(path: Path, obj: Any, *, indent: int | None = 2) -> None:
+    """Write JSON atomically (``indent`` None: compact, for large lists)."""
+    data = json.dumps(obj, indent=indent, sort_keys=True, separators=None if indent else (",", ":")).encode()
     _atomic_write(path, lambda f: f.write(data))
 
 

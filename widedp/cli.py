@@ -8,8 +8,10 @@
     widedp canary CONFIG [CONFIG ...] --nc 3 9 15 --out DIR    secret-sharer canaries: train, then evaluate
     widedp canary --runs RUN_DIR [RUN_DIR ...] --out DIR       evaluate runs trained with canaries
     widedp compare SWEEP.yaml --out DIR [--set key=value ...]  configs x seeds -> curves.png, results.md/.json
+    widedp compare SWEEP.yaml --out DIR --overwrite            rerun the runs whose config changed
 
-Bad input (config keys, values, files) gives one line on stderr and exit code 2.
+Bad input (arguments, config keys, values, files) gives one line on stderr and exit code 2; a new run that fails
+that way leaves no run directory behind (``widedp.rundir``).
 """
 
 from __future__ import annotations
@@ -19,12 +21,24 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from widedp.errors import ConfigError
 
+if TYPE_CHECKING:
+    from widedp.config import Config
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block): ``widedp train: error: ... (see widedp train --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="widedp", description="Differentially private training of wide models.")
+    p = _Parser(prog="widedp", description="Differentially private training of wide models.")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train a model from a YAML config")
     t.add_argument("config", nargs="?", help="YAML config (omit with --resume)")
@@ -50,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key in every run (applied after the sweep's own overrides)")
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c.add_argument("--overwrite", action="store_true",
+                   help="rerun (from scratch) the runs in --out whose recorded config differs from the sweep's; "
+                        "without it such a run directory is an error")
     _canary_parser(sub)
     return p
 
@@ -75,7 +92,10 @@ def _canary_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad argument (2, one line on stderr)
+        return e.code if isinstance(e.code, int) else 2
     try:
         return _run(args)
     except ConfigError as e:
@@ -84,18 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("widedp: interrupted (the last checkpoint and the spent-budget journal are kept)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (`widedp epsilon ... | head`): stop quietly, as `yes | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.cmd == "train":
         from widedp.config import load_config
-        from widedp.train import default_out, load_run_config, train
+        from widedp.train import default_out, train
 
         if args.resume:
-            run_dir = Path(args.resume)
-            cfg = load_run_config(run_dir)
             if args.config is not None or args.overrides or args.overwrite:
                 raise ConfigError("--resume: give only the run directory (its config.yaml is used)")
+            run_dir = Path(args.resume)
+            cfg = _run_config(run_dir)
         else:
             if args.config is None:
                 raise ConfigError("train: a CONFIG file (or --resume DIR) is required")
@@ -103,7 +126,12 @@ def _run(args: argparse.Namespace) -> int:
             run_dir = Path(args.out) if args.out else default_out(args.config)
         progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
         summary = train(cfg, run_dir, resume=bool(args.resume), progress=progress, overwrite=args.overwrite)
-        keys = ("train_loss", "valid_loss", "test_loss", "steps", "samples_per_s")
+        if cfg.task == "recsys":
+            from widedp.recsys_train import add_eval_metrics
+
+            summary.update(add_eval_metrics(cfg, run_dir))
+        keys = ("train_loss", "valid_loss", "test_loss", "steps", "samples_per_s") + (
+            ("valid_auc", "test_auc", "valid_ne", "test_ne") if cfg.task == "recsys" else ())
         print(json.dumps({k: summary.get(k) for k in keys} | {"run_dir": str(run_dir)}
                          | ({"epsilon": summary["dp"]["epsilon"]} if summary.get("dp") else {})
                          | {"privacy": summary["privacy"]["text"]}, ensure_ascii=False))
@@ -140,10 +168,27 @@ def _run(args: argparse.Namespace) -> int:
 
         out = Path(args.out) if args.out else default_out(args.sweep)
         progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
-        compare(args.sweep, out, overrides=args.overrides, progress=progress)
+        compare(args.sweep, out, overrides=args.overrides, progress=progress, overwrite=args.overwrite)
         print((out / "results.md").read_text(), end="")
         return 0
     raise AssertionError(args.cmd)  # pragma: no cover
+
+
+def _run_config(run_dir: Path) -> Config:
+    """The resolved config of a run directory (``config.yaml``), read as strictly as a config file."""
+    from widedp.config import config_from_dict
+    from widedp.configtools import read_config_file
+
+    if not run_dir.is_dir():
+        raise ConfigError(f"--resume {run_dir}: not a directory")
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: no config.yaml (not a widedp run directory)")
+    try:
+        return config_from_dict(read_config_file(path))
+    except ConfigError as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
 
 
 def _say_privacy(privacy: dict) -> None:

