@@ -5,9 +5,13 @@
     .venv/bin/python bench/bench_step.py --part vocab --vocab 1e4 1e5 1e6 1e7   # 2. step time + peak RSS vs V
 
 Part 1 runs the training inner loop (sampling, per-sample row grads, DP step, optimizer, ledger) on the Brown
-paper-preset data; ratios are against non-private training of the same model with dense Adam and with SparseAdam.
+paper-preset data; ratios are against non-private training of the same model with dense Adam and with SparseAdam
+(the non-private sparse step), every selection measured in the same run (``sparse_vector`` is the O(U + c) method,
+``sparse_vector_brute`` the O(R) reference).
 Part 2 runs each (V, method) in its own subprocess (peak RSS = that process's ru_maxrss) on synthetic Zipf batches
-(b=1024 pairs, 8 negatives, D=128, k=1024 rows), against EmbeddingBag(sparse) + SparseAdam.
+(b=1024 pairs, 8 negatives, D=128, k=1024 rows), against EmbeddingBag(sparse) + SparseAdam; the exponential
+selector, Gaussian thresholding (sigma_sel=2, tau set for 100 expected false positives at every V) and the fast
+sparse vector (c=1024).
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ def paper_preset(steps: int) -> dict:
     selections = {
         "exponential": {"name": "exponential", "k": 10, "epsilon": 1.0, "score_clip": 0.1},
         "sparse_vector": {"name": "sparse_vector", "epsilon": 1.0, "cutoff": 10, "threshold": 0.01},
+        "sparse_vector_brute": {"name": "sparse_vector", "epsilon": 1.0, "cutoff": 10, "threshold": 0.01,
+                                "method": "brute"},
+        "gaussian_threshold": {"name": "gaussian_threshold", "sigma": 2.0, "threshold_sigmas": 2.0},
         "uniform": {"name": "uniform", "k": 10},
         "random_sparsification": {"name": "random_sparsification", "final_rate": 0.9},
         "all": {"name": "all"},
@@ -97,7 +104,7 @@ def paper_preset(steps: int) -> dict:
             sampler = PoissonSampler(n, sampling_rate=b / n, seed=0)
             ledger = accounting.Ledger()
             ctx = SelectionContext(epoch=1, num_epochs=20)
-            state = {"t": 0}
+            state = {"t": 0, "rows": 0}
 
             def one() -> None:
                 batch = split.batch(sampler.batch(state["t"]))  # noqa: B023
@@ -108,13 +115,17 @@ def paper_preset(steps: int) -> dict:
                                   noise_multiplier=0.5, selector=selector, ctx=ctx, generator=gen)  # noqa: B023
                     opt.step(res.grad)  # noqa: B023
                 ledger.add(res.spend)  # noqa: B023
+                state["rows"] += res.stats.rows_selected  # noqa: B023
 
             key = f"dp_{name}_{opt_name}_s"
             results[key] = _median_time(one, steps=steps)
+            results.setdefault("rows_selected_per_step", {})[name] = state["rows"] / state["t"]
     times = {k[:-2]: v for k, v in results.items() if k.endswith("_s")}
     base = times["nonprivate_dense_adam"]
     results["samples_per_s"] = {k: b / v for k, v in times.items()}
     results["ratio_vs_nonprivate_dense_adam"] = {k: base / v for k, v in times.items()}
+    sparse = times["nonprivate_sparse_adam"]
+    results["step_time_over_nonprivate_sparse_adam"] = {k: v / sparse for k, v in times.items()}
     return results
 
 
@@ -123,7 +134,13 @@ def paper_preset(steps: int) -> dict:
 
 def one_vocab_case(vocab: int, method: str, dim: int, batch: int, k: int, steps: int) -> dict:
     """Runs inside a subprocess: step time and peak RSS of one (V, method)."""
-    from widedp.config import ExponentialSelectionConfig
+    from scipy.stats import norm
+
+    from widedp.config import (
+        ExponentialSelectionConfig,
+        GaussianThresholdSelectionConfig,
+        SparseVectorSelectionConfig,
+    )
     from widedp.models.cbow import CBOW, CBOWBatch
     from widedp.optim import make_row_optimizer
     from widedp.selection import SelectionContext, make_selector
@@ -153,10 +170,15 @@ def one_vocab_case(vocab: int, method: str, dim: int, batch: int, k: int, steps:
             model(bt).mean().backward()
             opt.step()
     else:
-        opt_name = {"dp_sparse_lazy_adam": "lazy_adam", "dp_sparse_sgd": "sgd"}[method]
+        opt_name = "sgd" if method == "dp_sparse_sgd" else "lazy_adam"
         ropt = make_row_optimizer(opt_name, model.row_tables(), lr=1e-3)
         state_bytes = (2 * table_bytes + vocab * 8) if opt_name == "lazy_adam" else 0
-        selector = make_selector(ExponentialSelectionConfig(k=k, epsilon=1.0, score_clip=0.1), num_rows=model.num_rows)
+        sel_cfg: object = ExponentialSelectionConfig(k=k, epsilon=1.0, score_clip=0.1)
+        if method == "dp_gaussian_threshold_lazy_adam":  # tau for 100 expected false positives, whatever V
+            sel_cfg = GaussianThresholdSelectionConfig(sigma=2.0, threshold=2.0 * float(norm.isf(100 / model.num_rows)))
+        elif method == "dp_sparse_vector_lazy_adam":
+            sel_cfg = SparseVectorSelectionConfig(epsilon=1.0, threshold=0.01, cutoff=k, score_clip=0.1)
+        selector = make_selector(sel_cfg, num_rows=model.num_rows)
         gen = torch.Generator().manual_seed(1)
         ctx = SelectionContext(epoch=0, num_epochs=1)
 
@@ -177,10 +199,14 @@ def one_vocab_case(vocab: int, method: str, dim: int, batch: int, k: int, steps:
             "overhead_gb": (peak - table_bytes - state_bytes) / 2**30}
 
 
+VOCAB_METHODS = ("nonprivate_sparse_adam", "dp_sparse_lazy_adam", "dp_sparse_sgd", "dp_gaussian_threshold_lazy_adam",
+                 "dp_sparse_vector_lazy_adam")
+
+
 def vocab_sweep(vocabs: list[int], dim: int, batch: int, k: int, steps: int) -> list[dict]:
     rows = []
     for vocab in vocabs:
-        for method in ("nonprivate_sparse_adam", "dp_sparse_lazy_adam", "dp_sparse_sgd"):
+        for method in VOCAB_METHODS:
             cmd = [sys.executable, __file__, "--one", str(vocab), method, str(dim), str(batch), str(k), str(steps)]
             r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if r.returncode != 0:
@@ -216,17 +242,19 @@ def main() -> None:
         rows = vocab_sweep([int(v) for v in args.vocab], args.dim, args.batch, args.k, args.vocab_steps)
         out["vocab"] = rows
         by = {(r["vocab"], r["method"]): r for r in rows if "step_ms" in r}
-        ratios = {}
-        for v in {r["vocab"] for r in rows}:
-            base = by.get((v, "nonprivate_sparse_adam"))
-            dp = by.get((v, "dp_sparse_lazy_adam"))
-            if base and dp:
-                ratios[str(v)] = dp["step_ms"] / base["step_ms"]
+        ratios: dict = {}
+        flat: dict = {}
+        for method in VOCAB_METHODS[1:]:
+            for v in sorted({r["vocab"] for r in rows}):
+                base = by.get((v, "nonprivate_sparse_adam"))
+                dp = by.get((v, method))
+                if base and dp:
+                    ratios.setdefault(method, {})[str(v)] = dp["step_ms"] / base["step_ms"]
+            vs = sorted(v for v in {r["vocab"] for r in rows} if (v, method) in by)
+            if len(vs) >= 2:
+                flat[method] = by[(vs[-1], method)]["step_ms"] / by[(vs[0], method)]["step_ms"]
         out["dp_over_nonprivate_step_time"] = ratios
-        vs = sorted(v for v in {r["vocab"] for r in rows} if (v, "dp_sparse_lazy_adam") in by)
-        if len(vs) >= 2:
-            out["dp_step_time_largest_over_smallest_V"] = (by[(vs[-1], "dp_sparse_lazy_adam")]["step_ms"]
-                                                           / by[(vs[0], "dp_sparse_lazy_adam")]["step_ms"])
+        out["dp_step_time_largest_over_smallest_V"] = flat
         print(json.dumps({k: out[k] for k in out if k.startswith("dp_")}, indent=2))
     (OUT / "bench_step.json").write_text(json.dumps(out, indent=2))
     print(f"wrote {OUT / 'bench_step.json'}")

@@ -10,6 +10,7 @@ import torch
 from scipy import stats
 
 import widedp.selection as selection
+import widedp.selection_base as selection_base
 from widedp.config import (
     AllRowsConfig,
     ExponentialSelectionConfig,
@@ -42,6 +43,12 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def _dense_factor(monkeypatch, value: int) -> None:
+    """Set ``_DENSE_FACTOR`` where ``sample_distinct`` and the exponential selector read it."""
+    monkeypatch.setattr(selection_base, "_DENSE_FACTOR", value)
+    monkeypatch.setattr(selection, "_DENSE_FACTOR", value)
 
 
 def ordered_law(logits, k: int) -> dict[tuple[int, ...], float]:
@@ -132,7 +139,7 @@ def _draw(fn, n: int) -> np.ndarray:
 def test_sparse_gumbel_topk_matches_brute_force(monkeypatch, dense_factor):
     """§4.6: the V-independent sampler (order statistics on random untouched ids) has the law of brute-force
     Gumbel top-k over all rows."""
-    monkeypatch.setattr(selection, "_DENSE_FACTOR", dense_factor)
+    _dense_factor(monkeypatch, dense_factor)
     num_rows, k = 6, 2
     touched = torch.tensor([1, 4])
     logits = torch.tensor([1.2, 0.4], dtype=torch.float64)
@@ -175,7 +182,7 @@ def test_sparse_gumbel_topk_marginals_at_moderate_size():
 
 @pytest.mark.parametrize("dense_factor", [4, 0])
 def test_sample_distinct_is_a_uniform_ordered_sample(monkeypatch, dense_factor):
-    monkeypatch.setattr(selection, "_DENSE_FACTOR", dense_factor)
+    _dense_factor(monkeypatch, dense_factor)
     gen = torch.Generator().manual_seed(3)
     exclude = torch.tensor([1, 4])
     draws = _draw(lambda: sample_distinct(2, 6, exclude=exclude, generator=gen, device="cpu"), 12_000)
@@ -186,7 +193,7 @@ def test_sample_distinct_is_a_uniform_ordered_sample(monkeypatch, dense_factor):
 @pytest.mark.parametrize("method", ["fast", "brute"])
 def test_untouched_rows_stay_candidates(monkeypatch, method):
     """All scores 0 (touched or not): every row, untouched included, is picked with probability 1/R."""
-    monkeypatch.setattr(selection, "_DENSE_FACTOR", 0)  # the fast path even at R = 10
+    _dense_factor(monkeypatch, 0)  # the fast path even at R = 10
     sel = ExponentialSelector(k=1, epsilon=1.0, score_clip=0.1, method=method, brute_below=0)
     touched = torch.tensor([2, 5, 7])
     scores = torch.zeros(3)

@@ -9,6 +9,7 @@ from scipy import stats
 from widedp.config import (
     AllRowsConfig,
     ExponentialSelectionConfig,
+    GaussianThresholdSelectionConfig,
     RandomSparsificationConfig,
     SparseVectorSelectionConfig,
     UniformSelectionConfig,
@@ -21,7 +22,7 @@ from widedp.selection import (
     UniformSelector,
     make_selector,
 )
-from widedp.spend import ExponentialSpend, GaussianSpend, StepSpend
+from widedp.spend import ExponentialSpend, GaussianSelectionSpend, GaussianSpend, StepSpend
 from widedp.step import dp_step
 
 CTX = SelectionContext(epoch=0, num_epochs=3)
@@ -107,6 +108,7 @@ class RecordingSelector:
 
     def __init__(self, score_clip):
         self.score_clip = score_clip
+        self.score_kind = "none" if score_clip is None else "norm"
         self.calls = []
 
     def select(self, touched, scores, *, num_rows, score_sensitivity, ctx, generator):
@@ -159,7 +161,9 @@ def test_spend_stats_and_reproducibility():
     "cfg",
     [ExponentialSelectionConfig(k=3), ExponentialSelectionConfig(k=3, method="brute"),
      SparseVectorSelectionConfig(threshold=0.0, cutoff=2), UniformSelectionConfig(k=3),
-     RandomSparsificationConfig(final_rate=0.5), AllRowsConfig()],
+     RandomSparsificationConfig(final_rate=0.5), AllRowsConfig(),
+     GaussianThresholdSelectionConfig(sigma=1.0, threshold=-3.0),
+     SparseVectorSelectionConfig(threshold=0.0, cutoff=2, method="brute")],
     ids=lambda c: c.name + getattr(c, "method", ""),
 )
 def test_empty_batch(cfg):
@@ -189,3 +193,18 @@ def test_sparse_vector_selecting_nothing():
     assert res.selected.numel() == 0 and res.grad.values.shape == (0, 3)
     assert res.spend.parts[1].cutoff == 3
     assert np.isfinite(list(res.stats.as_floats().values())).all()
+
+
+def test_gaussian_threshold_step_spends_the_folded_record():
+    """The step's spend names both Gaussians (the accountant folds them) and equals budget.step_spend's record."""
+    from widedp.budget import step_spend
+    from widedp.config import DPConfig
+
+    gen = torch.Generator().manual_seed(6)
+    g = random_batch(gen, batch=10, num_rows=40, dim=3)
+    cfg = GaussianThresholdSelectionConfig(sigma=2.0, threshold_sigmas=1.0)
+    res = step(g, make_selector(cfg, num_rows=40), gen, b=10.0, clip1=1.0, clip2=0.05, sigma=0.8, q=0.01)
+    dp = DPConfig(clip1=1.0, clip2=0.05, noise_multiplier=0.8, selection=cfg)
+    assert res.spend == step_spend(dp, num_rows=40, batch_size=10, n=1000)
+    assert res.spend.parts[1] == GaussianSelectionSpend(2.0, 1.0)
+    assert res.grad.values.shape == (res.selected.numel(), 3)

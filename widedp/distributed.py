@@ -24,7 +24,8 @@ One step (``ShardedRecsys.per_sample_rows`` then ``distributed_dp_step``):
    its local top k, all_gathers the k candidates; the top k of the union is the top k of independent Gumbel keys
    on all rows, i.e. exactly the single-process Gumbel top-k law. Other mechanisms: the (touched, score) pairs
    are all_gathered and every rank runs the same selector with a generator seeded identically on all ranks (the
-   same selection as a single process with that seed);
+   same selection as a single process with that seed). Count and contribution scores are exact per shard (each
+   row has one owner); a contribution's normaliser |rows_j| is all_reduced over the shards first;
 5. Δ̂'s S2 clip uses the all_reduced norm; each selected row's noise is drawn once, by its owner (rank 0 for the
    MLP rows, broadcast so the replicas stay equal); the spend is the single-process ``StepSpend``.
 """
@@ -46,6 +47,7 @@ from widedp.noise import exponential, gaussian_noise, gumbel, sensitivity
 from widedp.optim import RowOptimizer
 from widedp.rowgrads import PerSampleRows, SparseRows, coalesce
 from widedp.selection import ExponentialSelector, SelectionContext, Selector, sample_distinct
+from widedp.selection_scores import sample_row_counts, selection_scores
 from widedp.spend import ExponentialSpend, GaussianSpend, StepSpend
 
 
@@ -299,19 +301,23 @@ def distributed_dp_step(local: PerSampleRows, g_dense: Tensor, shard: RowShard, 
     touched, ghat = aggregate(clipped, batch_size=batch_size)
     ghat_dense = clip_per_sample(dense, clip1=clip1, norms=norms)[0].values.view(B, A, D).sum(0) / batch_size
 
-    s0 = selector.score_clip
-    score_sens = 0.0 if s0 is None else min(s0, clip1 / batch_size)
-    scores = ghat.new_zeros(0) if s0 is None else torch.linalg.vector_norm(ghat, dim=1).clamp_(max=s0)
+    kind = selector.score_kind
+    sample_rows = None
+    if kind == "contribution":  # each sample's distinct rows over every shard
+        sample_rows = sample_row_counts(local, touched)
+        dist.all_reduce(sample_rows)
+    scores, score_sens = selection_scores(kind, local, touched, ghat, score_clip=selector.score_clip, clip1=clip1,
+                                          batch_size=batch_size, sample_rows=sample_rows)
     if isinstance(selector, ExponentialSelector):
         sel = sharded_gumbel_topk(touched, scores * selector.key_scale(score_sens), shard, k=selector.k,
                                   generator=generator)
         sel_spend = ExponentialSpend(epsilon=selector.epsilon, picks=selector.k)
     else:
         all_touched = _all_gather_var(touched)
-        all_scores = _all_gather_var(scores) if s0 is not None else scores
+        all_scores = _all_gather_var(scores) if kind != "none" else scores
         order = torch.argsort(all_touched)
         all_touched = all_touched.index_select(0, order)
-        if s0 is not None:
+        if kind != "none":
             all_scores = all_scores.index_select(0, order)
         sel, sel_spend = selector.select(all_touched, all_scores, num_rows=R, score_sensitivity=score_sens, ctx=ctx,
                                          generator=shared_generator)

@@ -1,14 +1,19 @@
 """Row selection of the DP step (paper Alg. 3, step 3) — swappable mechanisms over ALL R rows (privacy.md §2).
 
-Every selector sees the rows the batch touched and their scores u_r = min(||ĝ_r||, S0); rows the batch did not
-touch have score 0 and stay candidates (selecting only among touched rows would publish which rows were touched).
+Every selector sees the rows the batch touched and their scores (``Selector.score_kind``: gradient norms
+u_r = min(||ĝ_r||, S0), sample counts, or ℓ2-normalised contribution counts; ``widedp.selection_scores``); rows the
+batch did not touch have score 0 and stay candidates (selecting only among touched rows would publish which rows
+were touched). Each selector returns the ``Spend`` it charges.
 
 - ``ExponentialSelector``: k exponential-mechanism picks = Gumbel top-k of ε''·u/(2Δu) + Gumbel(0,1). ``fast`` is
   O(U + k) and never touches O(R) memory: the m = R − U untouched rows share score 0, so their largest Gumbel
   keys are order statistics (X_i ~ Exp(1); E_1 = X_1/m, E_i = E_{i-1} + X_i/(m−i+1); G_(i) = −ln E_i) attached to
   uniformly random distinct untouched ids (a random ORDER matters: attaching them in sorted id order is biased).
   ``brute`` (the reference) perturbs all R scores.
-- ``SparseVectorSelector``: AboveThreshold with cutoff c over all rows in a fresh random order.
+- ``SparseVectorSelector`` (``widedp.selection_svt``): AboveThreshold with cutoff c over all rows in a fresh random
+  order; ``fast`` is O(U + c) (geometric skips over the untouched rows), ``brute`` O(R).
+- ``GaussianThresholdSelector`` (``widedp.selection_gaussian``): contribution counts + N(0, σ_sel²) > τ over all
+  rows, false positives drawn exactly in O(expected count); a Gaussian mechanism folded into the step's noise.
 - ``UniformSelector``, ``RandomSparsificationSelector``, ``AllRowsSelector``: data-independent, free.
 """
 
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,107 +29,45 @@ from torch import Tensor
 from widedp.config import (
     AllRowsConfig,
     ExponentialSelectionConfig,
+    GaussianThresholdSelectionConfig,
     RandomSparsificationConfig,
     SelectionConfig,
     SparseVectorSelectionConfig,
     UniformSelectionConfig,
 )
 from widedp.errors import ConfigError
-from widedp.noise import exponential, gumbel, laplace
-from widedp.spend import ExponentialSpend, FreeSpend, SparseVectorSpend, Spend
+from widedp.noise import exponential, gumbel
+from widedp.selection_base import (
+    _DENSE_FACTOR,
+    ScoreKind,
+    SelectionContext,
+    Selector,
+    dense_scores,
+    member,
+    sample_distinct,
+)
+from widedp.selection_gaussian import GaussianThresholdSelector
+from widedp.selection_svt import SparseVectorSelector
+from widedp.spend import ExponentialSpend, FreeSpend, Spend
 
-#: ``sample_distinct`` draws by rejection when 4·(n + excluded) <= R (acceptance >= 3/4), else from a permutation.
-_DENSE_FACTOR = 4
-
-
-@dataclass(frozen=True)
-class SelectionContext:
-    """Data-independent per-step information (random sparsification needs the epoch)."""
-
-    epoch: int
-    num_epochs: int
-
-
-class Selector(Protocol):
-    """A row-selection mechanism.
-
-    ``score_clip`` is S0 when the mechanism uses scores, else ``None`` (the step then skips computing them and
-    passes an empty ``scores``).
-    """
-
-    score_clip: float | None
-
-    def select(
-        self,
-        touched: Tensor,
-        scores: Tensor,
-        *,
-        num_rows: int,
-        score_sensitivity: float,
-        ctx: SelectionContext,
-        generator: torch.Generator,
-    ) -> tuple[Tensor, Spend]:
-        """touched: [U] sorted unique ids; scores: [U] in [0, S0] (or empty, see above).
-
-        Returns [k] distinct int64 row ids on ``touched.device`` and the mechanism's ``Spend``.
-        """
-        ...
-
+__all__ = [
+    "AllRowsSelector",
+    "ExponentialSelector",
+    "GaussianThresholdSelector",
+    "RandomSparsificationSelector",
+    "ScoreKind",
+    "SelectionContext",
+    "Selector",
+    "SparseVectorSelector",
+    "UniformSelector",
+    "gumbel_topk",
+    "gumbel_topk_sparse",
+    "make_selector",
+    "member",
+    "sample_distinct",
+]
 
 # ------------------------------------------------------------------------------------------------ primitives
-
-
-def sample_distinct(
-    n: int, num_rows: int, *, exclude: Tensor, generator: torch.Generator, device: Any
-) -> Tensor:
-    """[n] distinct ids uniform on [0, R) \\ exclude, in uniformly random order; O(n + |exclude|) when sparse.
-
-    Args:
-        exclude: [U] sorted unique int64 ids that must not be drawn.
-
-    Sparse case: i.i.d. uniform draws, keep the first occurrence of each non-excluded id in draw order; each new
-    kept id is uniform over the ids not yet kept, so the first n kept form a uniform ordered sample (exact).
-    """
-    u = exclude.numel()
-    if n > num_rows - u:
-        raise ValueError(f"cannot draw {n} distinct rows out of {num_rows - u}")
-    if n == 1:  # the first non-excluded draw
-        while True:
-            cand = torch.randint(num_rows, (8,), generator=generator, device=device)
-            if not u:
-                return cand[:1]
-            ok = (~_member(cand, exclude)).to(torch.uint8)
-            i = int(ok.argmax())
-            if ok[i]:
-                return cand[i : i + 1]
-    if _DENSE_FACTOR * (n + u) > num_rows:
-        perm = torch.randperm(num_rows, generator=generator, device=device)
-        if u:
-            perm = perm[~_member(perm, exclude)]
-        return perm[:n]
-    chunk = (3 * n) // 2 + 16  # expected >= 9n/8 + 12 kept
-    cand = torch.randint(num_rows, (chunk,), generator=generator, device=device)
-    while True:
-        vals = cand.masked_fill(_member(cand, exclude), num_rows) if u else cand  # rejected -> sentinel R
-        sv, order = torch.sort(vals, stable=True)
-        first = torch.ones_like(sv, dtype=torch.bool)
-        first[1:] = sv[1:] != sv[:-1]
-        first &= sv < num_rows
-        pos = order[first]  # draw positions of first occurrences (stable sort: the earliest)
-        if pos.numel() >= n:
-            return cand.index_select(0, pos.sort().values[:n])
-        cand = torch.cat([cand, torch.randint(num_rows, (chunk,), generator=generator, device=device)])
-
-
-def _member(x: Tensor, sorted_set: Tensor) -> Tensor:
-    """[len(x)] bool: x_i in sorted_set (non-empty, sorted)."""
-    pos = torch.searchsorted(sorted_set, x).clamp_(max=sorted_set.numel() - 1)
-    return sorted_set.index_select(0, pos) == x
-
-
-def _dense_scores(touched: Tensor, scores: Tensor, num_rows: int) -> Tensor:
-    """[R] scores of all rows (0 where untouched)."""
-    return scores.new_zeros(num_rows).index_copy_(0, touched, scores)
 
 
 def gumbel_topk(logits: Tensor, k: int, *, generator: torch.Generator) -> Tensor:
@@ -179,6 +122,7 @@ class ExponentialSelector:
     score_clip: float
     method: str = "fast"
     brute_below: int = 0
+    score_kind: ScoreKind = "norm"
 
     def key_scale(self, score_sensitivity: float) -> float:
         """The factor of u_r in the Gumbel keys: ε'' / (2Δu)."""
@@ -197,66 +141,10 @@ class ExponentialSelector:
         logits = scores * self.key_scale(score_sensitivity)
         # the fast path's id sampler is O(R) itself when 4(U + k) > R: then brute force has fewer ops
         if self.method == "brute" or num_rows <= max(self.brute_below, _DENSE_FACTOR * (touched.numel() + self.k)):
-            sel = gumbel_topk(_dense_scores(touched, logits, num_rows), self.k, generator=generator)
+            sel = gumbel_topk(dense_scores(touched, logits, num_rows), self.k, generator=generator)
         else:
             sel = gumbel_topk_sparse(touched, logits, num_rows=num_rows, k=self.k, generator=generator)
         return sel, ExponentialSpend(epsilon=self.epsilon, picks=self.k)
-
-
-@dataclass(frozen=True)
-class SparseVectorSelector:
-    """AboveThreshold with cutoff c over all rows in a fresh random order; each segment (ended by an
-    above-threshold answer) is ε-DP: threshold noise Lap(Δu/ε1), query noise Lap(2Δu/ε2), ε1 = f·ε, ε2 = (1−f)·ε.
-    Returns the (at most c) rows found above, in visiting order. O(R) per step.
-    """
-
-    epsilon: float
-    threshold: float
-    cutoff: int
-    threshold_fraction: float
-    score_clip: float
-    release_values: bool = False
-    epsilon_release: float = 0.0
-
-    def select(
-        self,
-        touched: Tensor,
-        scores: Tensor,
-        *,
-        num_rows: int,
-        score_sensitivity: float,
-        ctx: SelectionContext,
-        generator: torch.Generator,
-    ) -> tuple[Tensor, Spend]:
-        dev, dt = touched.device, scores.dtype
-        eps1 = self.threshold_fraction * self.epsilon
-        eps2 = self.epsilon - eps1
-        order = torch.randperm(num_rows, generator=generator, device=dev)
-        # each row is visited at most once and each segment has its own threshold, so drawing every query noise
-        # and every threshold up front is the same law as drawing them as the loop goes
-        noisy = _dense_scores(touched, scores, num_rows).index_select(0, order)
-        noisy += laplace((num_rows,), scale=2 * score_sensitivity / eps2, generator=generator, device=dev, dtype=dt)
-        thresholds = laplace(
-            (self.cutoff,), scale=score_sensitivity / eps1, generator=generator, device=dev, dtype=dt
-        ).add_(self.threshold)
-        picks: list[int] = []
-        start = 0
-        for s in range(self.cutoff):
-            if start >= num_rows:
-                break
-            above = (noisy[start:] >= thresholds[s]).to(torch.uint8)
-            i = int(above.argmax())  # first above-threshold answer of this segment
-            if not above[i]:
-                break
-            picks.append(start + i)
-            start += i + 1
-        sel = order[torch.tensor(picks, dtype=torch.long, device=dev)]
-        spend = SparseVectorSpend(
-            epsilon=self.epsilon,
-            cutoff=self.cutoff,
-            epsilon_release=self.epsilon_release if self.release_values else 0.0,
-        )
-        return sel, spend
 
 
 @dataclass(frozen=True)
@@ -265,6 +153,7 @@ class UniformSelector:
 
     k: int
     score_clip: float | None = None  # no scores used
+    score_kind: ScoreKind = "none"
 
     def select(
         self,
@@ -291,6 +180,7 @@ class RandomSparsificationSelector:
     final_rate: float
     gradual_cooling: bool = True
     score_clip: float | None = None  # no scores used
+    score_kind: ScoreKind = "none"
     _epoch: int | None = field(default=None, init=False, repr=False)
     _mask: Tensor | None = field(default=None, init=False, repr=False)
 
@@ -325,6 +215,7 @@ class AllRowsSelector:
     """Every row (DP-SGD)."""
 
     score_clip: float | None = None  # no scores used
+    score_kind: ScoreKind = "none"
     _all: Tensor | None = field(default=None, init=False, repr=False)
 
     def select(
@@ -349,7 +240,7 @@ class AllRowsSelector:
 def _exponential(cfg: ExponentialSelectionConfig, num_rows: int) -> ExponentialSelector:
     return ExponentialSelector(
         k=_num_picks(cfg, num_rows), epsilon=cfg.epsilon, score_clip=cfg.score_clip, method=cfg.method,
-        brute_below=BRUTE_BELOW,
+        brute_below=BRUTE_BELOW, score_kind=cfg.score,
     )
 
 
@@ -357,6 +248,7 @@ def _sparse_vector(cfg: SparseVectorSelectionConfig, num_rows: int) -> SparseVec
     return SparseVectorSelector(
         epsilon=cfg.epsilon, threshold=cfg.threshold, cutoff=cfg.cutoff, threshold_fraction=cfg.threshold_fraction,
         score_clip=cfg.score_clip, release_values=cfg.release_values, epsilon_release=cfg.epsilon_release,
+        method=cfg.method, score_kind=cfg.score,
     )
 
 
@@ -372,6 +264,10 @@ def _all(cfg: AllRowsConfig, num_rows: int) -> AllRowsSelector:
     return AllRowsSelector()
 
 
+def _gaussian_threshold(cfg: GaussianThresholdSelectionConfig, num_rows: int) -> GaussianThresholdSelector:
+    return GaussianThresholdSelector(sigma=cfg.sigma, threshold=cfg.tau, max_rows=cfg.max_rows)
+
+
 #: Below this many rows the fast exponential selector perturbs all rows (same law, fewer ops; measured).
 BRUTE_BELOW = 4096
 
@@ -381,6 +277,7 @@ _FACTORIES: dict[str, Callable[[Any, int], Selector]] = {
     "uniform": _uniform,
     "random_sparsification": _random_sparsification,
     "all": _all,
+    "gaussian_threshold": _gaussian_threshold,
 }
 
 

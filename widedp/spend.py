@@ -18,6 +18,19 @@ class GaussianSpend:
 
 
 @dataclass(frozen=True)
+class GaussianSelectionSpend:
+    """A selection that is itself a Gaussian mechanism on the step's batch: N(0, (noise_multiplier·sensitivity)²) on
+    every coordinate of an L2-sensitivity-``sensitivity`` query (Gaussian contribution thresholding: noise on every
+    row's contribution count, sensitivity 1; rows above the threshold are selected — post-processing).
+
+    The accountant folds it with the step's ``GaussianSpend``: two Gaussians on the same batch are one Gaussian with
+    1/σ_eff² = 1/σ² + 1/σ_sel² (exact, not a bound), amplified by sampling once."""
+
+    noise_multiplier: float
+    sensitivity: float = 1.0
+
+
+@dataclass(frozen=True)
 class ExponentialSpend:
     """``picks`` exponential-mechanism picks (Gumbel top-k), each ``epsilon``-DP; bounded-range (Cesar & Rogers)."""
 
@@ -44,7 +57,7 @@ class FreeSpend:
     name: str
 
 
-Spend = GaussianSpend | ExponentialSpend | SparseVectorSpend | FreeSpend
+Spend = GaussianSpend | GaussianSelectionSpend | ExponentialSpend | SparseVectorSpend | FreeSpend
 
 
 @dataclass(frozen=True)

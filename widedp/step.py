@@ -11,6 +11,7 @@ from widedp.clipping import aggregate, clip_l2, clip_per_sample, restrict
 from widedp.noise import gaussian_noise, sensitivity
 from widedp.rowgrads import PerSampleRows, SparseRows
 from widedp.selection import SelectionContext, Selector
+from widedp.selection_scores import selection_scores
 from widedp.spend import GaussianSpend, StepSpend
 
 
@@ -66,8 +67,12 @@ def dp_step(
     """One DP step on a Poisson(q) batch of per-sample row gradients (B may be 0).
 
     clip each sample at S1 (a sample with a NaN or an inf contributes zero) -> ĝ = (1/b) Σ_j (b the expected
-    batch size) -> scores u_r = min(||ĝ_r||, S0) -> select rows M among ALL R rows (Δu = min(S0, S1/b)) ->
-    Δ̂ = clip_S2(M ⊙ ĝ) -> + N(0, (σΔ₂)²) on every coordinate of every selected row, Δ₂ = min(S1/b, 2·S2).
+    batch size) -> the selector's scores (``selector.score_kind``: u_r = min(||ĝ_r||, S0) with Δu = min(S0, S1/b),
+    sample counts, or ℓ2-normalised contribution counts with ℓ2 sensitivity 1; ``widedp.selection_scores``) ->
+    select rows M among ALL R rows -> Δ̂ = clip_S2(M ⊙ ĝ) -> + N(0, (σΔ₂)²) on every coordinate of every selected
+    row, Δ₂ = min(S1/b, 2·S2). The spend: the Gaussian noise and whatever the selector states it spent, on the same
+    Poisson(q) batch (composed jointly by the accountant). ``g``'s samples may be privacy units (a unit's rows
+    merged): every sensitivity is per input sample.
 
     ``always_rows`` A (default: ``g.always_rows`` when ``g`` carries one, e.g. a recommender's dense MLP stored as
     rows, else 0): the last A rows [R − A, R) are selected every step besides the mechanism's picks, and the
@@ -83,12 +88,8 @@ def dp_step(
         u = int(torch.searchsorted(touched, sel_rows))  # touched is sorted: the selectable ones come first
         sel_touched, sel_ghat = touched[:u], ghat[:u]
 
-    s0 = selector.score_clip
-    if s0 is None:
-        scores, score_sens = ghat.new_zeros(0), 0.0
-    else:
-        scores = torch.linalg.vector_norm(sel_ghat, dim=1).clamp_(max=s0)
-        score_sens = min(s0, clip1 / batch_size)
+    scores, score_sens = selection_scores(selector.score_kind, g, sel_touched, sel_ghat, score_clip=selector.score_clip,
+                                          clip1=clip1, batch_size=batch_size)
     selected, selection_spend = selector.select(
         sel_touched, scores, num_rows=sel_rows, score_sensitivity=score_sens, ctx=ctx, generator=generator
     )

@@ -120,6 +120,7 @@ def report(step: StepSpend, *, steps: int, delta: float, accountant: Accountant 
         "steps": steps,
         "sampling_rate": costs.q,
         "noise_multiplier": costs.sigma,
+        "joint_noise_multiplier": costs.joint_sigma,  # with a Gaussian selection folded in (else = noise_multiplier)
         "adjacency": "add_remove",
         "accountant": accountant,
         "selection": [spend_to_json(p) for p in step.parts if not isinstance(p, GaussianSpend)],

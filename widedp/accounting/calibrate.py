@@ -4,14 +4,17 @@ largest number of steps within a budget.
 Both calibrations return a parameter whose eps is <= target and >= (1 - tolerance) * target (default 1%). Search:
 a bracket grown geometrically from a start point (for the pld accountant, the cheap rdp answer), then the Illinois
 variant of regula falsi on (log x, log eps), which converges superlinearly from both sides.
+
+``prefix``: runs spent before the steps and composed with them (e.g. a one-shot pre-selection of rows,
+``[(StepSpend(1.0, ...), 1)]``); the target covers prefix + steps.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from widedp.accounting.accountant import Accountant, _check, epsilon_for_step, noise_part, selection_part
+from widedp.accounting.accountant import Accountant, _check, compose_epsilon, noise_part, selection_part
 from widedp.accounting.parts import costs_of
 from widedp.accounting.pld import PLDRangeError
 from widedp.errors import ConfigError
@@ -24,9 +27,16 @@ def _log(v: float) -> float:
     return math.log(v) if v > 0 else -math.inf
 
 
-def _eps_or_inf(step: StepSpend, steps: int, delta: float, accountant: Accountant) -> float:
+Prefix = Sequence[tuple[StepSpend, int]]
+
+
+def _eps(step: StepSpend, steps: int, delta: float, accountant: Accountant, prefix: Prefix) -> float:
+    return compose_epsilon([*prefix, (step, steps)], delta=delta, accountant=accountant)
+
+
+def _eps_or_inf(step: StepSpend, steps: int, delta: float, accountant: Accountant, prefix: Prefix = ()) -> float:
     try:
-        return epsilon_for_step(step, steps=steps, delta=delta, accountant=accountant)
+        return _eps(step, steps, delta, accountant, prefix)
     except PLDRangeError:  # loss range too wide for a grid: far above any sensible target
         return math.inf
 
@@ -137,6 +147,7 @@ def calibrate_noise_multiplier(
     target_epsilon: float,
     accountant: Accountant = "pld",
     tolerance: float = 0.01,
+    prefix: Prefix = (),
 ) -> float:
     """sigma with eps(make_step(sigma), steps) in [(1 - tolerance) target, target] (so eps <= target).
 
@@ -146,17 +157,17 @@ def calibrate_noise_multiplier(
     _check(delta, accountant)
     if not target_epsilon > 0:
         raise ConfigError(f"dp.target_epsilon: must be > 0, got {target_epsilon}")
-    sel_eps = epsilon_for_step(selection_part(make_step(1.0)), steps=steps, delta=delta, accountant=accountant)
+    sel_eps = _eps(selection_part(make_step(1.0)), steps, delta, accountant, prefix)
     if sel_eps >= target_epsilon:
         raise ConfigError(
             f"dp.target_epsilon: {target_epsilon:g} is infeasible: the selection alone already spends eps = "
             f"{sel_eps:.4g} over {steps} steps at delta={delta:g} ({accountant}) even with infinite noise; "
             "lower the selection's epsilon or raise the target"
         )
-    kw = dict(make_step=make_step, steps=steps, delta=delta, target_epsilon=target_epsilon)
+    kw = dict(make_step=make_step, steps=steps, delta=delta, target_epsilon=target_epsilon, prefix=prefix)
     x0 = _rdp_start(calibrate_noise_multiplier, 1.0, accountant, **kw)
     return _solve(
-        lambda s: _eps_or_inf(make_step(s), steps, delta, accountant),
+        lambda s: _eps_or_inf(make_step(s), steps, delta, accountant, prefix),
         target_epsilon, increasing=False, x0=x0, x_min=1e-3, x_max=1e4, tol=tolerance, floor=sel_eps,
     )
 
@@ -170,6 +181,7 @@ def calibrate_selection_epsilon(
     accountant: Accountant = "pld",
     tolerance: float = 0.01,
     max_epsilon: float = 100.0,
+    prefix: Prefix = (),
 ) -> float:
     """Selection epsilon x (e.g. eps'' per pick) with eps(make_step(x), steps) in [(1 - tolerance) target, target],
     sigma held fixed; ``max_epsilon`` when even that stays below the target.
@@ -179,28 +191,31 @@ def calibrate_selection_epsilon(
     _check(delta, accountant)
     if not target_epsilon > 0:
         raise ConfigError(f"dp.target_epsilon: must be > 0, got {target_epsilon}")
-    noise_eps = epsilon_for_step(noise_part(make_step(1.0)), steps=steps, delta=delta, accountant=accountant)
+    noise_eps = _eps(noise_part(make_step(1.0)), steps, delta, accountant, prefix)
     if noise_eps >= target_epsilon:
         raise ConfigError(
             f"dp.target_epsilon: {target_epsilon:g} is infeasible: the Gaussian noise alone already spends eps = "
             f"{noise_eps:.4g} over {steps} steps at delta={delta:g} ({accountant}); raise dp.noise_multiplier or "
             "the target"
         )
-    kw = dict(make_step=make_step, steps=steps, delta=delta, target_epsilon=target_epsilon, max_epsilon=max_epsilon)
+    kw = dict(make_step=make_step, steps=steps, delta=delta, target_epsilon=target_epsilon, max_epsilon=max_epsilon,
+              prefix=prefix)
     # Default start 1/(number of selection mechanisms): large totals make wide (slow) PLD grids.
     c = costs_of(make_step(1.0))
     n_mech = sum(n for _, n in c.bounded_range + c.pure) or 1
     x0 = _rdp_start(calibrate_selection_epsilon, min(1.0 / n_mech, max_epsilon), accountant, **kw)
     return _solve(
-        lambda e: _eps_or_inf(make_step(e), steps, delta, accountant),
+        lambda e: _eps_or_inf(make_step(e), steps, delta, accountant, prefix),
         target_epsilon, increasing=True, x0=x0, x_min=1e-6, x_max=max_epsilon, tol=tolerance, floor=noise_eps,
     )
 
 
 def max_steps(
-    step: StepSpend, *, delta: float, target_epsilon: float, accountant: Accountant = "pld", limit: int = 10**9
+    step: StepSpend, *, delta: float, target_epsilon: float, accountant: Accountant = "pld", limit: int = 10**9,
+    prefix: Prefix = (),
 ) -> int:
-    """The largest T <= ``limit`` with eps(T identical steps) <= target (0 when one step already exceeds it)."""
+    """The largest T <= ``limit`` with eps(prefix + T identical steps) <= target (0 when one step already exceeds
+    it)."""
     _check(delta, accountant)
     if not target_epsilon > 0:
         raise ConfigError(f"dp.target_epsilon: must be > 0, got {target_epsilon}")
@@ -208,14 +223,15 @@ def max_steps(
 
     def g(t: int) -> float:  # log eps(t) - log target: <= 0 iff t is within budget
         if t not in cache:
-            cache[t] = _eps_or_inf(step, t, delta, accountant)
+            cache[t] = _eps_or_inf(step, t, delta, accountant, prefix)
         return _log(cache[t]) - math.log(target_epsilon)
 
     if g(1) > 0:
         return 0
     t = 1
     if accountant == "pld":  # start from the cheap RDP answer (usually within a factor of a few)
-        t = max(1, max_steps(step, delta=delta, target_epsilon=target_epsilon, accountant="rdp", limit=limit))
+        t = max(1, max_steps(step, delta=delta, target_epsilon=target_epsilon, accountant="rdp", limit=limit,
+                             prefix=prefix))
     # Bracket lo <= T* < hi, stepping in log T by the local slope of log eps (eps ~ T^p).
     factor = 1.25
     if g(t) <= 0:

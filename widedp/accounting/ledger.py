@@ -18,13 +18,22 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from widedp.errors import ConfigError
-from widedp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, Spend, StepSpend
+from widedp.spend import (
+    ExponentialSpend,
+    FreeSpend,
+    GaussianSelectionSpend,
+    GaussianSpend,
+    SparseVectorSpend,
+    Spend,
+    StepSpend,
+)
 
 FORMAT = "widedp.ledger/1"
 
 #: JSON ``kind`` of each spend record type (explicit both ways; no registry).
 _KIND_OF: dict[type, str] = {
     GaussianSpend: "gaussian",
+    GaussianSelectionSpend: "gaussian_selection",
     ExponentialSpend: "exponential",
     SparseVectorSpend: "sparse_vector",
     FreeSpend: "free",

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from widedp.errors import ConfigError
-from widedp.spend import ExponentialSpend, GaussianSpend, SparseVectorSpend, StepSpend
+from widedp.spend import ExponentialSpend, GaussianSelectionSpend, GaussianSpend, SparseVectorSpend, StepSpend
 
 #: The key under which reports carry the paper's figure (the name is the label).
 REFERENCE_KEY = "paper_theorem3_reference_NOT_A_BOUND"
@@ -49,7 +49,7 @@ def per_step_epsilon(step: StepSpend, delta_prime: float) -> tuple[float, float]
             sel += p.epsilon * math.sqrt(2.0 * p.picks * math.log(1.0 / delta_prime))
         elif isinstance(p, SparseVectorSpend):
             sel += p.cutoff * (p.epsilon + p.epsilon_release)
-        elif isinstance(p, GaussianSpend) and math.isfinite(p.noise_multiplier):
+        elif isinstance(p, (GaussianSpend, GaussianSelectionSpend)) and math.isfinite(p.noise_multiplier):
             inv_var += p.noise_multiplier**-2
     noise = 2.0 * math.sqrt(2.0 * math.log(1.25 / delta_prime)) * math.sqrt(inv_var)
     return sel, noise

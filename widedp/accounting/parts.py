@@ -5,6 +5,12 @@ worst-case (dominating) pair or an RDP curve:
 
 - all ``GaussianSpend`` parts together are one Gaussian with noise multiplier ``(sum sigma_i^-2)^(-1/2)``
   (``noise_multiplier`` is already relative to ``sensitivity``, so ``sensitivity`` is not used);
+- a ``GaussianSelectionSpend`` (Gaussian contribution thresholding) is a Gaussian mechanism on the same batch too:
+  it folds into that Gaussian exactly. With ℓ2 sensitivities Δ_i and noise σ_iΔ_i, one add/remove moves the means by
+  μ_i with ||μ_i|| <= Δ_i; the joint privacy loss is that of N(0, I) vs N(m, I) with ||m||² = Σ ||μ_i||²/(σ_iΔ_i)²
+  <= Σ 1/σ_i², i.e. one Gaussian with multiplier σ_eff = (Σ σ_i^-2)^(-1/2) (``joint_sigma``), and the same holds
+  after Poisson subsampling of the whole step (the mixture pair is a function of m alone, rotation invariance);
+  adaptivity (the gradient noise lands on the rows the selection chose) does not change either pair;
 - an ``ExponentialSpend`` is ``picks`` mechanisms each ``epsilon``-bounded-range (``bounded_range=True``) or
   ``epsilon``-DP (pure, ``bounded_range=False``);
 - a ``SparseVectorSpend`` is ``cutoff`` pure ``epsilon``-DP segments plus ``cutoff`` pure ``epsilon_release``-DP
@@ -18,7 +24,14 @@ import math
 from dataclasses import dataclass
 
 from widedp.errors import ConfigError
-from widedp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, StepSpend
+from widedp.spend import (
+    ExponentialSpend,
+    FreeSpend,
+    GaussianSelectionSpend,
+    GaussianSpend,
+    SparseVectorSpend,
+    StepSpend,
+)
 
 
 @dataclass(frozen=True)
@@ -27,29 +40,45 @@ class Costs:
 
     Attributes:
         q: Poisson sampling rate in (0, 1].
-        sigma: effective Gaussian noise multiplier, or None when the step adds no Gaussian noise.
+        sigma: noise multiplier of the gradient noise (all ``GaussianSpend`` parts folded), or None.
         bounded_range: ((epsilon, count), ...): ``count`` mechanisms each epsilon-bounded-range.
         pure: ((epsilon, count), ...): ``count`` mechanisms each pure epsilon-DP.
+        selection_sigma: noise multiplier of the selection's Gaussian mechanisms (``GaussianSelectionSpend``,
+            folded), or None.
+
+    The accountants use ``joint_sigma`` (every Gaussian of the step folded) and ``is_gaussian``.
     """
 
     q: float
     sigma: float | None
     bounded_range: tuple[tuple[float, int], ...] = ()
     pure: tuple[tuple[float, int], ...] = ()
+    selection_sigma: float | None = None
+
+    @property
+    def joint_sigma(self) -> float | None:
+        """The one Gaussian equivalent to all the step's Gaussians: (Σ σ_i^-2)^(-1/2), None when there are none."""
+        inv = sum(s**-2 for s in (self.sigma, self.selection_sigma) if s is not None)
+        return inv**-0.5 if inv > 0 else None
+
+    @property
+    def is_gaussian(self) -> bool:
+        """No mechanism other than Gaussians (then the step is exactly one subsampled Gaussian, or free)."""
+        return not (self.bounded_range or self.pure)
 
     @property
     def has_selection(self) -> bool:
-        return bool(self.bounded_range or self.pure)
+        return bool(self.bounded_range or self.pure) or self.selection_sigma is not None
 
     @property
     def is_free(self) -> bool:
-        return self.sigma is None and not self.has_selection
+        return self.joint_sigma is None and self.is_gaussian
 
     def noise_only(self) -> Costs:
         return Costs(self.q, self.sigma)
 
     def selection_only(self) -> Costs:
-        return Costs(self.q, None, self.bounded_range, self.pure)
+        return Costs(self.q, None, self.bounded_range, self.pure, self.selection_sigma)
 
 
 def _check_eps(name: str, eps: float) -> None:
@@ -69,7 +98,7 @@ def costs_of(step: StepSpend) -> Costs:
     q = step.sampling_rate
     if not (isinstance(q, (int, float)) and 0 < q <= 1):
         raise ConfigError(f"sampling_rate: must be in (0, 1], got {q!r}")
-    inv_var = 0.0
+    inv_var, inv_var_sel = 0.0, 0.0
     br: dict[float, int] = {}
     pure: dict[float, int] = {}
     for part in step.parts:
@@ -79,6 +108,12 @@ def costs_of(step: StepSpend) -> Costs:
                 raise ConfigError(f"noise_multiplier: must be > 0, got {s!r}")
             if math.isfinite(s):
                 inv_var += 1.0 / float(s) ** 2
+        elif isinstance(part, GaussianSelectionSpend):
+            s = part.noise_multiplier
+            if not (isinstance(s, (int, float)) and s > 0):
+                raise ConfigError(f"selection noise_multiplier: must be > 0, got {s!r}")
+            if math.isfinite(s):
+                inv_var_sel += 1.0 / float(s) ** 2
         elif isinstance(part, ExponentialSpend):
             _check_eps("exponential epsilon", part.epsilon)
             _check_count("exponential picks", part.picks)
@@ -97,4 +132,5 @@ def costs_of(step: StepSpend) -> Costs:
         else:
             raise ConfigError(f"accounting: unknown spend record {part!r}")
     sigma = inv_var**-0.5 if inv_var > 0 else None
-    return Costs(float(q), sigma, tuple(sorted(br.items())), tuple(sorted(pure.items())))
+    sel_sigma = inv_var_sel**-0.5 if inv_var_sel > 0 else None
+    return Costs(float(q), sigma, tuple(sorted(br.items())), tuple(sorted(pure.items())), sel_sigma)

@@ -2,8 +2,10 @@
 
 Per step the worst-case pair is P = N(1, sigma^2) x P_sel vs Q = N(0, sigma^2) x Q_sel (adaptive composition of
 the selection and the noise on the same batch is dominated by the product of their dominating pairs, Zhu, Dong &
-Wang 2022, Thm. 10), and Poisson(q) subsampling of the whole step is dominated by (qP + (1-q)Q, Q) for remove and
-(Q, qP + (1-q)Q) for add (ibid., Thm. 11). We report the max of the two adjacencies.
+Wang 2022, Thm. 10; a Gaussian selection, i.e. contribution thresholding, folds into the N(1, sigma^2) factor,
+sigma^-2 = sum sigma_i^-2, see parts.py), and Poisson(q) subsampling of the whole step is dominated by
+(qP + (1-q)Q, Q) for remove and (Q, qP + (1-q)Q) for add (ibid., Thm. 11). We report the max of the two
+adjacencies.
 
 Selection pairs (all symmetric: swapping P and Q gives the same pair up to relabelling):
 
@@ -157,8 +159,8 @@ def _power(kind: str, eps: float, count: int, d: float) -> pld_pmf.PLDPmf:
 def product_pmf(costs: Costs, d: float) -> pld_pmf.PLDPmf:
     """PMF of the unsubsampled step pair (Gaussian x selection pairs), pessimistic, symmetric."""
     pmfs = []
-    if costs.sigma is not None:
-        pmfs.append(gaussian_pmf(costs.sigma, d))
+    if costs.joint_sigma is not None:  # the gradient noise and any Gaussian selection, folded (parts.py)
+        pmfs.append(gaussian_pmf(costs.joint_sigma, d))
     _check_grid(int(2 * sum(e * n for e, n in costs.bounded_range + costs.pure) / d), None)
     pmfs += [_power("br", e, n, d) for e, n in costs.bounded_range]
     pmfs += [_power("pure", e, n, d) for e, n in costs.pure]
@@ -266,8 +268,8 @@ def step_pld(costs: Costs, d: float = DEFAULT_DISCRETIZATION) -> PLD:
         return pldm.identity(d)
     if costs.q >= 1.0:
         return PLD(product_pmf(costs, d))
-    if not costs.has_selection:
-        return subsampled_pld(GaussianHockeyStick(costs.sigma), costs.q, d)
+    if costs.is_gaussian:  # exactly one subsampled Gaussian (Gaussian selections folded in)
+        return subsampled_pld(GaussianHockeyStick(costs.joint_sigma), costs.q, d)
     return subsampled_pld(HockeyStick(product_pmf(costs, d)), costs.q, d)
 
 

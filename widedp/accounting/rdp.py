@@ -3,17 +3,18 @@ subsampling once per step, composition over steps, conversion to (epsilon, delta
 
 Curves at order alpha > 1 (privacy.md §3):
 
-- Gaussian (noise multiplier sigma relative to its sensitivity): alpha / (2 sigma^2).
+- Gaussian (noise multiplier sigma relative to its sensitivity): alpha / (2 sigma^2); the gradient noise and a
+  Gaussian selection (contribution thresholding) on the same batch fold into one, sigma_eff^-2 = sum sigma_i^-2.
 - Exponential mechanism, per pick, bounded range (Cesar & Rogers 2021): min(eps, alpha eps^2 / 8).
 - Pure eps-DP (SVT segments, Laplace releases, exponential without bounded range): min(eps, D_alpha(RR_eps)).
 
 A step's curve is the SUM over its parts (composition on the same batch), then Poisson(q) subsampling is applied
 ONCE with the general bound of Zhu & Wang 2019 (Thm. 9; integer alpha >= 2; we also take the min with the
 unsubsampled curve, valid by quasi-convexity of the Renyi divergence). When the step's only cost is Gaussian noise
-the exact sampled-Gaussian RDP is used (Mironov et al. 2019; ``sampled_gaussian_rdp``, a port of Opacus'
-``compute_rdp`` tested against it) at Opacus' default orders. RDP -> (eps, delta):
-eps = min_alpha [eps(alpha) + ln((alpha-1)/alpha) - (ln delta + ln alpha)/(alpha-1)] (Balle et al. 2020; what
-Opacus' ``get_privacy_spent`` computes).
+(a Gaussian selection folded in) the exact sampled-Gaussian RDP is used (Mironov et al. 2019;
+``sampled_gaussian_rdp``, a port of Opacus' ``compute_rdp`` tested against it) at Opacus' default orders.
+RDP -> (eps, delta): eps = min_alpha [eps(alpha) + ln((alpha-1)/alpha) - (ln delta + ln alpha)/(alpha-1)]
+(Balle et al. 2020; what Opacus' ``get_privacy_spent`` computes).
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def mechanism_rdp(costs: Costs, alpha: np.ndarray) -> np.ndarray:
     """RDP curve of one step BEFORE subsampling: the sum of its parts' curves."""
     a = np.asarray(alpha, float)
     out = np.zeros_like(a)
-    if costs.sigma is not None:
-        out += gaussian_rdp(costs.sigma, a)
+    if costs.joint_sigma is not None:  # the gradient noise and any Gaussian selection, folded (parts.py)
+        out += gaussian_rdp(costs.joint_sigma, a)
     for eps, n in costs.bounded_range:
         out += n * bounded_range_rdp(eps, a)
     for eps, n in costs.pure:
@@ -154,8 +155,8 @@ def step_rdp(costs: Costs, orders: tuple[float, ...]) -> np.ndarray:
     """Per-step (subsampled) RDP of ``costs`` at ``orders``. Returns [len(orders)] (read-only)."""
     if costs.is_free:
         out = np.zeros(len(orders))
-    elif not costs.has_selection:
-        out = np.array([sampled_gaussian_rdp(costs.q, costs.sigma, a) for a in orders])
+    elif costs.is_gaussian:  # exactly one subsampled Gaussian (Gaussian selections folded in)
+        out = np.array([sampled_gaussian_rdp(costs.q, costs.joint_sigma, a) for a in orders])
     else:
         top = int(max(orders))
         curve = mechanism_rdp(costs, np.arange(top + 1, dtype=float).clip(min=2.0))
@@ -166,7 +167,7 @@ def step_rdp(costs: Costs, orders: tuple[float, ...]) -> np.ndarray:
 
 def orders_for(costs: Sequence[Costs]) -> tuple[float, ...]:
     """Opacus' grid when every step is Gaussian-only (or free), else the integer grid."""
-    return INTEGER_ORDERS if any(c.has_selection for c in costs) else OPACUS_ORDERS
+    return OPACUS_ORDERS if all(c.is_gaussian for c in costs) else INTEGER_ORDERS
 
 
 def rdp_to_epsilon(orders: Sequence[float], rdp: np.ndarray, delta: float) -> tuple[float, float]:
