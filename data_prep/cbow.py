@@ -18,6 +18,11 @@ The window definition was chosen by counting pairs on Brown with V=1000 (the iss
 (on 232,680 in-vocabulary tokens in 57,340 sentences). Windows over the stream *before* OOV words are dropped give
 653,164 (4 each side). So "window 4" = 4 in-vocabulary words each side, within sentences: 979,216 pairs, and
 224,940 bag samples (targets with a non-empty window). ``brown_10k`` (V=10,000): 2,514,322 pairs.
+
+Vocabulary (``data.vocabulary``): ``private_top`` (above), ``file:PATH`` (a public list, ``corpus.file_vocab``) or
+``dp`` (the run's release, ``widedp.vocab_dp``: passed in as ``vocab=``, never cached). The train split also keeps
+each sample's sentence, document and corpus-order key for privacy units (``widedp.units``); the splits themselves
+are sample-level whatever the unit, so valid/test are the same pairs for every unit.
 """
 
 from __future__ import annotations
@@ -32,19 +37,33 @@ import numpy as np
 
 from widedp.config import DataConfig
 from widedp.data_prep import corpus as corpus_mod
-from widedp.data_prep.samples import draw_negatives, insert_phrases, window_bags, window_pairs
+from widedp.data_prep.samples import (
+    draw_negatives,
+    insert_phrase_units,
+    insert_phrases,
+    window_bags,
+    window_pairs,
+)
 from widedp.errors import ConfigError
 
-_FORMAT = 1  # bump when the prepared arrays change for the same parameters
+_FORMAT = 2  # bump when the prepared arrays change for the same parameters
 
 
 @dataclass(frozen=True)
 class Split:
-    """One split. target: [n] int64; context: [n, C] int64 (-1 = padding; ``pair``: C = 1); negatives: [n, K]."""
+    """One split. target: [n] int64; context: [n, C] int64 (-1 = padding; ``pair``: C = 1); negatives: [n, K].
+
+    The train split also carries what privacy units need (None on valid/test): sentence, document: [n] int64 the
+    sentence / document of each sample (a canary inserted as its own unit has ids of its own); order: [n] int64 a
+    key increasing in corpus order (target position, then context position) that ranks a unit's samples.
+    """
 
     target: np.ndarray
     context: np.ndarray
     negatives: np.ndarray
+    sentence: np.ndarray | None = None
+    document: np.ndarray | None = None
+    order: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.target)
@@ -71,56 +90,85 @@ class CBOWData:
 
 
 def prepare_cbow(
-    cfg: DataConfig, *, phrases: Sequence[Sequence[str]] = (), repeats: int = 0, insert_seed: int = 0
+    cfg: DataConfig, *, phrases: Sequence[Sequence[str]] = (), repeats: int = 0, insert_seed: int = 0,
+    vocab: corpus_mod.Vocab | None = None,
 ) -> CBOWData:
     """Build (or load from ``cfg.cache_dir``) the CBOW splits of ``cfg``.
 
-    With ``phrases`` and ``repeats > 0``, each phrase (vocabulary words) is inserted ``repeats`` times at random
-    positions (seeded by ``insert_seed``) of the in-vocabulary stream after the vocabulary is chosen on the clean
-    corpus; every sample touching an inserted token goes to train, valid/test come from clean samples only.
+    With ``phrases`` and ``repeats > 0``, each phrase (vocabulary words) is inserted ``repeats`` times after the
+    vocabulary is chosen on the clean corpus (seeded by ``insert_seed``): with ``privacy_unit: pair`` at random
+    positions of the in-vocabulary stream (inside sentences), otherwise as its own sentence and document (one unit
+    per insertion) at random sentence boundaries. Every sample touching an inserted token goes to train,
+    valid/test come from clean samples only.
+
+    ``vocab``: the vocabulary to use (``data.vocabulary: dp`` needs the run's released one, see
+    ``widedp.vocab_dp``); such data is not cached.
     """
     if repeats < 0:
         raise ConfigError(f"repeats: must be >= 0, got {repeats}")
+    if vocab is None and cfg.vocabulary == "dp":
+        raise ConfigError("data.vocabulary: dp is drawn by each run (widedp train / widedp canary write it to "
+                          "RUN/vocab_release.json); it cannot be prepared without that run's vocabulary")
     canary = bool(phrases) and repeats > 0
-    paths = _cache_paths(cfg, phrases, repeats, insert_seed)
+    paths = _cache_paths(cfg, phrases, repeats, insert_seed) if vocab is None else None
     if paths is not None and (cached := _load(*paths)) is not None:
         return cached
 
     corp = corpus_mod.load_corpus(cfg)
-    vocab = corpus_mod.select_vocab(corp, cfg.vocab_size, source=cfg.corpus)
+    vocab = vocab if vocab is not None else corpus_vocab(corp, cfg)
     tok = vocab.remap[corp.ids]
-    sent = np.repeat(np.arange(corp.num_sentences), np.diff(corp.offsets))
+    sent = corp.sentence_of_token()
     keep = tok >= 0
     tokens, sent = tok[keep], sent[keep]
+    doc = corp.document_of_sentence()[sent]
 
     inserted = None
     is_canary = np.zeros(len(tokens), dtype=bool)
     if canary:
         phrase_ids = _phrase_ids(phrases, vocab.words)
         rng_ins = np.random.default_rng([insert_seed, 3])
-        tokens, sent, is_canary, inserted = insert_phrases(tokens, sent, phrase_ids, repeats, rng_ins)
+        if cfg.privacy_unit == "pair":
+            tokens, sent, is_canary, inserted = insert_phrases(tokens, sent, phrase_ids, repeats, rng_ins)
+            doc = np.zeros(len(tokens), dtype=np.int64)  # (documents are not used with pair units)
+        else:
+            tokens, sent, doc, is_canary, inserted = insert_phrase_units(tokens, sent, doc, phrase_ids, repeats,
+                                                                         rng_ins)
 
-    if cfg.sample_shape == "pair":
-        t_pos, c_pos = window_pairs(sent, cfg.window)
-        c_pos = c_pos[:, None]
-    else:
-        t_pos, c_pos = window_bags(sent, cfg.window)
+    t_pos, c_pos = sample_positions(sent, cfg)
     sample_canary = is_canary[t_pos] | (is_canary[c_pos] & (c_pos >= 0)).any(axis=1)
     total = len(t_pos)
+    order = t_pos * (2 * cfg.window + 2) + np.where(c_pos[:, 0] >= 0, c_pos[:, 0] - t_pos + cfg.window + 1, 0)
 
     sizes = resolve_splits(cfg.splits, total, what=f"{cfg.sample_shape} samples of {cfg.corpus} (V={cfg.vocab_size})")
     rng_split = np.random.default_rng([cfg.seed, 1])
     rng_neg = np.random.default_rng([cfg.seed, 2])
     parts = []
-    for idx in split_indices(sample_canary, sizes, rng_split):
+    for i, idx in enumerate(split_indices(sample_canary, sizes, rng_split)):
         target = tokens[t_pos[idx]]
         cp = c_pos[idx]
         context = np.where(cp >= 0, tokens[np.maximum(cp, 0)], -1)
-        parts.append(Split(target, context, draw_negatives(target, vocab.counts, cfg.negatives, rng_neg)))
+        negatives = draw_negatives(target, vocab.counts, cfg.negatives, rng_neg)
+        units = (sent[t_pos[idx]], doc[t_pos[idx]], order[idx]) if i == 0 else ()
+        parts.append(Split(target, context, negatives, *units))
     data = CBOWData(vocab.words, vocab.counts, *parts, total_samples=total, inserted=inserted)
     if paths is not None:
         _save(*paths, data)
     return data
+
+
+def corpus_vocab(corp: corpus_mod.Corpus, cfg: DataConfig) -> corpus_mod.Vocab:
+    """The vocabulary of ``data.vocabulary`` private_top (the top-V words) or file:PATH (``dp``: see vocab_dp)."""
+    if cfg.vocabulary.startswith("file:"):
+        return corpus_mod.file_vocab(corp, cfg.vocabulary[5:], cfg.vocab_size, lowercase=cfg.lowercase)
+    return corpus_mod.select_vocab(corp, cfg.vocab_size, source=cfg.corpus)
+
+
+def sample_positions(sent: np.ndarray, cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Target positions [n] and context positions [n, C] (-1 padding) of every sample of a stream."""
+    if cfg.sample_shape == "pair":
+        t_pos, c_pos = window_pairs(sent, cfg.window)
+        return t_pos, c_pos[:, None]
+    return window_bags(sent, cfg.window)
 
 
 def resolve_splits(splits: Sequence[float], total: int, *, what: str = "samples") -> tuple[int, int, int]:
@@ -182,7 +230,8 @@ def _cache_paths(
     if root is None:
         return None
     if phrases and repeats > 0:
-        raw = json.dumps([[list(p) for p in phrases], repeats, insert_seed])
+        raw = json.dumps([[list(p) for p in phrases], repeats, insert_seed]
+                         + (["own_units"] if cfg.privacy_unit != "pair" else []))
         tag = hashlib.sha256(raw.encode()).hexdigest()[:12]
     else:
         tag = "clean"
@@ -196,6 +245,8 @@ def _save(npz_path: Path, vocab_path: Path, data: CBOWData) -> None:
         s: Split = getattr(data, name)
         arrays |= {f"{name}_target": s.target.astype(np.int32), f"{name}_context": s.context.astype(np.int32),
                    f"{name}_negatives": s.negatives.astype(np.int32)}
+    for a in ("sentence", "document", "order"):
+        arrays[f"train_{a}"] = getattr(data.train, a)
     if data.inserted is not None:
         arrays["inserted"] = data.inserted
     # vocab first: the npz appearing is what marks a complete entry
@@ -210,11 +261,14 @@ def _load(npz_path: Path, vocab_path: Path) -> CBOWData | None:
         vocab = json.loads(vocab_path.read_text())
         with np.load(npz_path, allow_pickle=False) as z:
             splits = [
-                Split(*(z[f"{name}_{a}"].astype(np.int64) for a in ("target", "context", "negatives")))
+                Split(*(z[f"{name}_{a}"].astype(np.int64) for a in ("target", "context", "negatives")),
+                      *((z[f"train_{a}"].astype(np.int64) for a in ("sentence", "document", "order"))
+                        if name == "train" else ()))
                 for name in ("train", "valid", "test")
             ]
             inserted = z["inserted"].astype(np.int64) if "inserted" in z.files else None
-            return CBOWData(vocab, z["counts"].astype(np.int64), *splits, total_samples=int(z["total_samples"]),
-                            inserted=inserted)
+            counts = z["counts"]
+            counts = counts.astype(np.int64) if counts.dtype.kind in "iu" else counts.astype(np.float64)
+            return CBOWData(vocab, counts, *splits, total_samples=int(z["total_samples"]), inserted=inserted)
     except (OSError, ValueError, KeyError):  # damaged entry: rebuild
         return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import uuid
@@ -37,15 +38,25 @@ class Corpus:
         words: [W] str, the distinct words left after filtering, sorted alphabetically (an id = an index here).
         ids: [T] int64, the filtered tokens of all sentences, concatenated.
         offsets: [S+1] int64, sentence s is ``ids[offsets[s]:offsets[s+1]]`` (sentences left empty are kept).
+        documents: [S] int64 non-decreasing, the document of each sentence (None: each sentence is a document).
     """
 
     words: np.ndarray
     ids: np.ndarray
     offsets: np.ndarray
+    documents: np.ndarray | None = None
 
     @property
     def num_sentences(self) -> int:
         return len(self.offsets) - 1
+
+    def sentence_of_token(self) -> np.ndarray:
+        """[T] int64 the sentence of each token."""
+        return np.repeat(np.arange(self.num_sentences), np.diff(self.offsets))
+
+    def document_of_sentence(self) -> np.ndarray:
+        """[S] int64 the document of each sentence."""
+        return np.arange(self.num_sentences) if self.documents is None else self.documents
 
 
 @dataclass(frozen=True)
@@ -53,7 +64,8 @@ class Vocab:
     """The ``V`` most frequent words of a corpus (ties broken alphabetically).
 
     Attributes:
-        words: the V words, most frequent first. counts: [V] int64, their corpus counts.
+        words: the V words, most frequent first. counts: [V] their negative-sampling weights (int64 corpus counts
+            for the top-V; float64 for a word list or a DP vocabulary).
         remap: [W] int64, corpus word id -> vocabulary id, or -1 for a word outside the vocabulary.
     """
 
@@ -65,20 +77,31 @@ class Vocab:
 # ------------------------------------------------------------------------------------------------------ reading
 
 
-def read_sentences(cfg: DataConfig) -> Iterable[Sequence[str]]:
-    """The raw token lists of ``cfg.corpus``, unfiltered (Brown: NLTK's sentences; text/hf: one per line/row); only
-    the first ``cfg.max_sentences`` when that is not 0."""
+def read_sentences(cfg: DataConfig) -> tuple[list[Sequence[str]], np.ndarray]:
+    """The raw token lists of ``cfg.corpus``, unfiltered (Brown: NLTK's sentences; text/hf: one per line/row), and
+    [S] int64 the document of each (Brown: its source file; text: blocks of lines between blank lines; hf: each row
+    its own document); only the first ``cfg.max_sentences`` when that is not 0."""
     limit = cfg.max_sentences or None
     if cfg.corpus == "brown":
         return _brown_sentences(limit)
     if cfg.corpus.startswith("text:"):
         return _text_sentences(cfg.corpus[5:], limit)
-    return _hf_sentences(cfg, limit)
+    sents = _hf_sentences(cfg, limit)
+    return sents, np.arange(len(sents), dtype=np.int64)
 
 
-def _brown_sentences(limit: int | None) -> list[list[str]]:
-    sents = _nltk_corpus("brown").sents()  # a lazy corpus view: slicing reads only what it needs
-    return [list(s) for s in (sents[:limit] if limit else sents)]
+def _brown_sentences(limit: int | None) -> tuple[list[list[str]], np.ndarray]:
+    brown = _nltk_corpus("brown")
+    out: list[list[str]] = []
+    docs: list[int] = []
+    for d, fid in enumerate(brown.fileids()):  # brown.sents() is these files' sentences in this order
+        if limit is not None and len(out) >= limit:
+            break
+        sents = brown.sents(fid)
+        part = [list(s) for s in (sents[: limit - len(out)] if limit is not None else sents)]
+        out += part
+        docs += [d] * len(part)
+    return out, np.asarray(docs, dtype=np.int64)
 
 
 def stopword_set() -> frozenset[str]:
@@ -115,20 +138,28 @@ def _nltk_corpus(name: str) -> Any:  # an NLTK corpus reader
                           f"{_NLTK_HINT}") from None
 
 
-def _text_sentences(path: str, limit: int | None) -> list[list[str]]:
+def _text_sentences(path: str, limit: int | None) -> tuple[list[list[str]], np.ndarray]:
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"data.corpus: file not found: {path}")
     out: list[list[str]] = []
+    docs: list[int] = []
+    doc, blank = 0, False
     try:
         with p.open(encoding="utf-8") as f:
             for line in f:
                 if limit is not None and len(out) >= limit:
                     break
+                if line.strip():
+                    doc += blank  # a blank line before this one closed the previous document
+                    blank = False
+                else:
+                    blank = True
                 out.append(TOKEN_RE.findall(line))
+                docs.append(doc)
     except UnicodeDecodeError as e:
         raise ConfigError(f"data.corpus: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    return out
+    return out, np.asarray(docs, dtype=np.int64)
 
 
 def _hf_sentences(cfg: DataConfig, limit: int | None) -> list[list[str]]:
@@ -156,11 +187,13 @@ def _hf_sentences(cfg: DataConfig, limit: int | None) -> list[list[str]]:
 
 
 def filter_sentences(
-    sentences: Iterable[Sequence[str]], *, lowercase: bool, alpha_only: bool, stopwords: frozenset[str] = frozenset()
+    sentences: Iterable[Sequence[str]], *, lowercase: bool, alpha_only: bool, stopwords: frozenset[str] = frozenset(),
+    documents: np.ndarray | None = None,
 ) -> Corpus:
     """Apply the token filters, in this order: lowercase, alphabetic only, stop-word removal.
 
     Stop words are matched case-insensitively (``The`` is removed also when ``lowercase`` is false).
+    ``documents``: [S] the document of each sentence (kept as ``Corpus.documents``).
     """
     flat: list[str] = []
     lengths: list[int] = []
@@ -180,7 +213,7 @@ def filter_sentences(
     ids = np.fromiter((index[w] for w in flat), dtype=np.int64, count=len(flat))
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return Corpus(np.array(words, dtype=str), ids, offsets)
+    return Corpus(np.array(words, dtype=str), ids, offsets, documents)
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:
@@ -188,9 +221,10 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     path = _corpus_cache_path(cfg)
     corpus = _load_cached(path) if path is not None else None
     if corpus is None:
-        sentences = read_sentences(cfg)  # first: errors about the corpus come before those about stop words
+        sentences, documents = read_sentences(cfg)  # first: corpus errors come before those about stop words
         stop = stopword_set() if cfg.remove_stopwords else frozenset()
-        corpus = filter_sentences(sentences, lowercase=cfg.lowercase, alpha_only=cfg.alpha_only, stopwords=stop)
+        corpus = filter_sentences(sentences, lowercase=cfg.lowercase, alpha_only=cfg.alpha_only, stopwords=stop,
+                                  documents=documents)
         if path is not None:
             _save_cached(path, corpus)
     return corpus
@@ -211,6 +245,51 @@ def select_vocab(corpus: Corpus, vocab_size: int, *, source: str = "") -> Vocab:
     return Vocab([str(w) for w in corpus.words[order]], counts[order].astype(np.int64), remap)
 
 
+def vocab_from_words(corpus: Corpus, words: Sequence[str], weights: np.ndarray) -> Vocab:
+    """The vocabulary ``words`` (id = position) with negative-sampling weights ``weights`` [V] (float; counts, noisy
+    counts or a Zipf law). Corpus words outside it map to -1; words the corpus lacks keep their (untrained) rows."""
+    index = {w: i for i, w in enumerate(words)}
+    if len(index) != len(words):
+        raise ConfigError("data.vocabulary: the word list repeats a word")
+    remap = np.fromiter((index.get(str(w), -1) for w in corpus.words), dtype=np.int64, count=len(corpus.words))
+    return Vocab([str(w) for w in words], np.asarray(weights, dtype=np.float64), remap)
+
+
+def file_vocab(corpus: Corpus, path: str, vocab_size: int, *, lowercase: bool) -> Vocab:
+    """``data.vocabulary: file:PATH``: the first ``vocab_size`` words of a public list (one per line, ``word`` or
+    ``word count``; blank lines skipped). Negative-sampling weights: the counts when every line has one, else a Zipf
+    law over the list's order, weight(rank r) = 1/r (r = 1, 2, ...)."""
+    p = Path(path).expanduser()
+    words: list[str] = []
+    counts: list[float] = []
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"data.vocabulary: cannot read {path} ({type(e).__name__})") from None
+    for i, line in enumerate(lines):
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) > 2 or (len(parts) == 2 and not _positive_number(parts[1])):
+            raise ConfigError(f"data.vocabulary: {path} line {i + 1}: expected 'word' or 'word count', got {line!r}")
+        words.append(parts[0].lower() if lowercase else parts[0])
+        counts.append(float(parts[1]) if len(parts) == 2 else math.nan)
+        if len(words) == vocab_size:
+            break
+    if len(words) < 2:
+        raise ConfigError(f"data.vocabulary: {path} lists {len(words)} word(s); need at least 2")
+    c = np.asarray(counts)
+    weights = c if not np.isnan(c).any() else 1.0 / np.arange(1, len(words) + 1)
+    return vocab_from_words(corpus, words, weights)
+
+
+def _positive_number(s: str) -> bool:
+    try:
+        return float(s) > 0 and math.isfinite(float(s))
+    except ValueError:
+        return False
+
+
 # -------------------------------------------------------------------------------------------------------- cache
 
 
@@ -225,7 +304,7 @@ def _corpus_cache_path(cfg: DataConfig) -> Path | None:
         return None
     key: dict[str, object] = {"corpus": cfg.corpus, "lowercase": cfg.lowercase, "alpha_only": cfg.alpha_only,
                               "remove_stopwords": cfg.remove_stopwords, "max_sentences": cfg.max_sentences,
-                              "token_re": TOKEN_RE.pattern, "v": 1}
+                              "token_re": TOKEN_RE.pattern, "v": 2}
     if cfg.corpus.startswith("text:"):
         p = Path(cfg.corpus[5:]).expanduser()
         if p.is_file():
@@ -242,13 +321,15 @@ def _load_cached(path: Path) -> Corpus | None:
         return None
     try:
         with np.load(path, allow_pickle=False) as z:
-            return Corpus(z["words"], z["ids"].astype(np.int64), z["offsets"].astype(np.int64))
+            return Corpus(z["words"], z["ids"].astype(np.int64), z["offsets"].astype(np.int64),
+                          z["documents"].astype(np.int64))
     except (OSError, ValueError, KeyError):  # a damaged cache file is rebuilt
         return None
 
 
 def _save_cached(path: Path, corpus: Corpus) -> None:
-    atomic_savez(path, words=corpus.words, ids=corpus.ids.astype(np.int32), offsets=corpus.offsets)
+    atomic_savez(path, words=corpus.words, ids=corpus.ids.astype(np.int32), offsets=corpus.offsets,
+                 documents=corpus.document_of_sentence())
 
 
 def atomic_savez(path: Path, **arrays: np.ndarray) -> None:

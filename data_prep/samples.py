@@ -6,7 +6,7 @@ windows never cross a sentence boundary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -103,26 +103,73 @@ def insert_phrases(
     """
     n = len(tokens)
     m = len(phrases) * repeats
-    lens = np.array([len(p) for p in phrases], dtype=np.int64)
     phrase_ix = np.repeat(np.arange(len(phrases)), repeats)
     pos = rng.integers(0, n + 1, size=m)
     order = np.lexsort((np.arange(m), pos))
     phrase_ix, pos = phrase_ix[order], pos[order]
+    new_tokens, (new_sent,), is_canary, fill = _place(tokens, [sent], phrases, phrase_ix, pos)
+    fill(new_sent, sent[np.minimum(pos, n - 1)])
+    return new_tokens, new_sent, is_canary, np.stack([phrase_ix, pos], axis=1).astype(np.int64)
+
+
+def insert_phrase_units(
+    tokens: np.ndarray,
+    sent: np.ndarray,
+    doc: np.ndarray,
+    phrases: Sequence[np.ndarray],
+    repeats: int,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Insert each phrase ``repeats`` times as its OWN sentence and document (a privacy unit of its own), each at a
+    uniformly random sentence boundary of the stream (0, the start of each sentence, or N), so no clean sample
+    changes. Insertion k (in stream order) gets sentence id ``max(sent) + 1 + k`` and document id
+    ``max(doc) + 1 + k``: equal ids stay contiguous, which is all the windows need.
+
+    Returns ``tokens [N']``, ``sent [N']``, ``doc [N']``, ``is_canary [N']`` and ``inserted [m, 2]`` (rows
+    ``(phrase index, p)`` sorted by p: the phrase went before stream token p).
+    """
+    n = len(tokens)
+    m = len(phrases) * repeats
+    starts = np.flatnonzero(np.r_[True, sent[1:] != sent[:-1]]) if n else np.zeros(0, np.int64)
+    bounds = np.r_[starts, n].astype(np.int64)
+    phrase_ix = np.repeat(np.arange(len(phrases)), repeats)
+    pos = bounds[rng.integers(0, len(bounds), size=m)]
+    order = np.lexsort((np.arange(m), pos))
+    phrase_ix, pos = phrase_ix[order], pos[order]
+    new_tokens, (new_sent, new_doc), is_canary, fill = _place(tokens, [sent, doc], phrases, phrase_ix, pos)
+    fill(new_sent, (int(sent.max()) + 1 if n else 0) + np.arange(m))
+    fill(new_doc, (int(doc.max()) + 1 if n else 0) + np.arange(m))
+    return new_tokens, new_sent, new_doc, is_canary, np.stack([phrase_ix, pos], axis=1).astype(np.int64)
+
+
+def _place(
+    tokens: np.ndarray, cols: list[np.ndarray], phrases: Sequence[np.ndarray], phrase_ix: np.ndarray, pos: np.ndarray
+) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, Callable[[np.ndarray, np.ndarray], None]]:
+    """Put phrase ``phrase_ix[i]`` before stream token ``pos[i]`` (``pos`` sorted). Returns the new tokens, the
+    per-token columns ``cols`` carried along, is_canary, and ``fill(col, values [m])`` that sets every token of
+    insertion i in a new column to ``values[i]``."""
+    n = len(tokens)
+    m = len(phrase_ix)
+    lens = np.array([len(p) for p in phrases], dtype=np.int64)
     ins_len = lens[phrase_ix]
     cum = np.concatenate([[0], np.cumsum(ins_len)])
     total = n + int(cum[-1])
 
     new_tokens = np.empty(total, dtype=np.int64)
-    new_sent = np.empty(total, dtype=np.int64)
+    new_cols = [np.zeros(total, dtype=np.int64) for _ in cols]
     is_canary = np.zeros(total, dtype=bool)
     # clean token i moves right by the length of every insertion placed before it (p <= i)
     clean_at = np.arange(n) + cum[np.searchsorted(pos, np.arange(n), side="right")]
     new_tokens[clean_at] = tokens
-    new_sent[clean_at] = sent
+    for new, old in zip(new_cols, cols):
+        new[clean_at] = old
     start = pos + cum[:-1]
     ins_at = np.repeat(start, ins_len) + (np.arange(cum[-1]) - np.repeat(cum[:-1], ins_len))
     flat = np.concatenate([np.asarray(phrases[j], dtype=np.int64) for j in phrase_ix]) if m else np.zeros(0, int)
     new_tokens[ins_at] = flat
-    new_sent[ins_at] = np.repeat(sent[np.minimum(pos, n - 1)], ins_len)
     is_canary[ins_at] = True
-    return new_tokens, new_sent, is_canary, np.stack([phrase_ix, pos], axis=1).astype(np.int64)
+
+    def fill(col: np.ndarray, values: np.ndarray) -> None:
+        col[ins_at] = np.repeat(np.asarray(values, dtype=np.int64), ins_len)
+
+    return new_tokens, new_cols, is_canary, fill

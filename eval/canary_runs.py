@@ -8,10 +8,14 @@ Each run directory gets ``canaries.json``: the canary and control phrases (words
 the split sizes. The OUT directory gets ``canary.json`` (everything below) and ``canary_ranks.png``.
 
 Training data with canaries: every phrase is inserted n_c times into the in-vocabulary token stream
-(``prepare_cbow(phrases=..., repeats=n_c)``) and every sample that touches an inserted token goes to the train
-split ON TOP of the config's clean train samples (train size = clean size + canary samples; valid/test as
+(``prepare_cbow(phrases=..., repeats=n_c)``) — with ``data.privacy_unit: pair`` at random positions inside
+sentences; with sentence or document units each insertion is a sentence and a document OF ITS OWN (one unit, n_c
+insertions = n_c units) at a random sentence boundary — and every sample that touches an inserted token goes to the
+train split ON TOP of the config's clean train samples (train size = clean size + canary samples; valid/test as
 configured, clean). So the clean training data matches the config's Fig. 1 runs, as in "inserting the canaries into
-the dataset". Such a run is resumed by re-running ``widedp canary`` with the same arguments (``widedp train
+the dataset". With ``data.vocabulary: dp`` the run's vocabulary is drawn first (on the clean corpus, into
+``RUN/vocab_release.json``, charged to the run's ledger) and the canaries' words are drawn from it. Such a run is
+resumed by re-running ``widedp canary`` with the same arguments (``widedp train
 --resume`` would rebuild the data without canaries).
 """
 
@@ -27,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from widedp import rundir
+from widedp import rundir, vocab_dp
 from widedp.checkpoint import CHECKPOINT, load_checkpoint, read_json, write_json
 from widedp.config import Config, DataConfig
 from widedp.errors import ConfigError
@@ -98,59 +102,67 @@ def make_phrases(vocab: list[str], *, num: int, seed: int) -> tuple[list[list[st
     return ([[vocab[i] for i in p] for p in canaries.tolist()], [[vocab[i] for i in p] for p in controls.tolist()])
 
 
-def clean_stream(cfg: DataConfig) -> tuple[list[str], np.ndarray, np.ndarray]:
+def clean_stream(cfg: DataConfig, vocab: Any = None) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(vocabulary words, in-vocabulary token stream [N], sentence of each token [N]) as ``prepare_cbow`` builds
-    them before inserting canaries."""
+    them before inserting canaries; ``vocab``: a given ``Vocab`` (the run's DP one)."""
+    return _stream(cfg, vocab)[:3]
+
+
+def _stream(cfg: DataConfig, vocab: Any = None) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """``clean_stream`` and the document [N] of each token."""
     from widedp.data_prep import corpus as corpus_mod
+    from widedp.data_prep.cbow import corpus_vocab
 
     check_vocab(cfg.vocab_size)
     corp = corpus_mod.load_corpus(cfg)
-    vocab = corpus_mod.select_vocab(corp, cfg.vocab_size, source=cfg.corpus)
+    vocab = vocab if vocab is not None else corpus_vocab(corp, cfg)
     tok = vocab.remap[corp.ids]
-    sent = np.repeat(np.arange(corp.num_sentences), np.diff(corp.offsets))
+    sent = corp.sentence_of_token()
     keep = tok >= 0
-    return vocab.words, tok[keep], sent[keep]
+    sent = sent[keep]
+    return vocab.words, tok[keep], sent, corp.document_of_sentence()[sent]
 
 
-def canary_sample_count(cfg: DataConfig, phrase_ids: list[np.ndarray], repeats: int, insert_seed: int
-                        ) -> tuple[int, int, np.ndarray]:
+def canary_sample_count(cfg: DataConfig, phrase_ids: list[np.ndarray], repeats: int, insert_seed: int,
+                        vocab: Any = None) -> tuple[int, int, np.ndarray]:
     """(samples on an inserted token, all samples, ``inserted``) of ``prepare_cbow(cfg, phrases, repeats,
-    insert_seed)``, by the same steps (the caller checks ``inserted`` against ``CBOWData.inserted``)."""
-    from widedp.data_prep.samples import insert_phrases, window_bags, window_pairs
+    insert_seed, vocab=vocab)``, by the same steps (the caller checks ``inserted`` against ``CBOWData.inserted``)."""
+    from widedp.data_prep.cbow import sample_positions
+    from widedp.data_prep.samples import insert_phrase_units, insert_phrases
 
-    _, tokens, sent = clean_stream(cfg)
-    _, sent, is_canary, inserted = insert_phrases(tokens, sent, phrase_ids, repeats,
-                                                  np.random.default_rng([insert_seed, 3]))
-    if cfg.sample_shape == "pair":
-        t_pos, c_pos = window_pairs(sent, cfg.window)
-        c_pos = c_pos[:, None]
+    _, tokens, sent, doc = _stream(cfg, vocab)
+    rng = np.random.default_rng([insert_seed, 3])
+    if cfg.privacy_unit == "pair":
+        _, sent, is_canary, inserted = insert_phrases(tokens, sent, phrase_ids, repeats, rng)
     else:
-        t_pos, c_pos = window_bags(sent, cfg.window)
+        _, sent, _, is_canary, inserted = insert_phrase_units(tokens, sent, doc, phrase_ids, repeats, rng)
+    t_pos, c_pos = sample_positions(sent, cfg)
     m = int((is_canary[t_pos] | (is_canary[c_pos] & (c_pos >= 0)).any(axis=1)).sum())
     return m, len(t_pos), inserted
 
 
-def canary_training_data(cfg: Config, canaries: list[list[str]], *, n_c: int, insert_seed: int
+def canary_training_data(cfg: Config, canaries: list[list[str]], *, n_c: int, insert_seed: int, vocab: Any = None
                          ) -> tuple[Config, Any, dict[str, Any]]:
     """(config with the enlarged train split, CBOWData with the canaries inserted, facts for canaries.json).
 
     The config's split sizes count clean samples (fractions: of the clean samples left after the insertion); the
-    train split gets every canary sample on top.
+    train split gets every canary sample on top. ``vocab``: the run's DP ``Vocab`` (else the config's).
     """
     from widedp.data_prep.cbow import prepare_cbow, resolve_splits
 
-    vocab, _, _ = clean_stream(cfg.data)
-    index = {w: i for i, w in enumerate(vocab)}
+    words = clean_stream(cfg.data, vocab)[0]
+    index = {w: i for i, w in enumerate(words)}
     phrase_ids = [np.array([index[w] for w in p], dtype=np.int64) for p in canaries]
-    m, total, inserted = canary_sample_count(cfg.data, phrase_ids, n_c, insert_seed)
+    m, total, inserted = canary_sample_count(cfg.data, phrase_ids, n_c, insert_seed, vocab)
     n_train, n_valid, n_test = resolve_splits(cfg.data.splits, total - m,
                                               what=f"clean samples left after inserting the canaries {n_c} times")
     data_cfg = dataclasses.replace(cfg.data, splits=(n_train + m, n_valid, n_test))
-    data = prepare_cbow(data_cfg, phrases=canaries, repeats=n_c, insert_seed=insert_seed)
+    data = prepare_cbow(data_cfg, phrases=canaries, repeats=n_c, insert_seed=insert_seed, vocab=vocab)
     if data.inserted is None or not np.array_equal(data.inserted, inserted):  # pragma: no cover - guards drift
         raise RuntimeError("canary positions differ from prepare_cbow's: update canary_sample_count")
     facts = {"canary_samples": m, "clean_train_samples": n_train, "splits": [n_train + m, n_valid, n_test],
-             "inserted": data.inserted.tolist()}
+             "inserted": data.inserted.tolist(),
+             "canary_units": "own" if cfg.data.privacy_unit != "pair" else "inside sentences"}
     return dataclasses.replace(cfg, data=data_cfg), data, facts
 
 
@@ -164,27 +176,69 @@ def train_canary_run(cfg: Config, run_dir: Path, *, label: str, n_c: int, num_ca
     from widedp.train import train
 
     check_args(ncs=[n_c], num_canaries=num_canaries)
-    vocab, _, _ = clean_stream(cfg.data)
-    canaries, controls = make_phrases(vocab, num=num_canaries, seed=seed)
+    kw = {"label": label, "n_c": n_c, "num_canaries": num_canaries, "seed": seed}
+    if cfg.data.vocabulary == "dp":  # the vocabulary belongs to the run: reused only to resume that run
+        release = vocab_dp.load_release(run_dir) if (run_dir / CHECKPOINT).is_file() else None
+        resume = False
+        if release is not None:
+            run_cfg, data, info = _canary_setup(cfg, vocab=release.vocab(_corpus(cfg)), **kw)
+            resume = _can_resume(run_dir, info)
+        if not resume:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            rundir.prepare(run_dir, resume=False, overwrite=True)  # a new run draws its own vocabulary now
+            release = _draw_run_vocabulary(cfg, run_dir)
+            run_cfg, data, info = _canary_setup(cfg, vocab=release.vocab(_corpus(cfg)), **kw)
+    else:
+        run_cfg, data, info = _canary_setup(cfg, vocab=None, **kw)
+        resume = _can_resume(run_dir, info)
+        if not resume:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            rundir.prepare(run_dir, resume=False, overwrite=True)  # a run with other canaries or config is replaced
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / CANARIES_FILE, info)
+    train(run_cfg, run_dir, resume=resume, progress=progress, data=data)
+    return run_dir
+
+
+def _corpus(cfg: Config) -> Any:
+    from widedp.data_prep import corpus as corpus_mod
+
+    return corpus_mod.load_corpus(cfg.data)
+
+
+def _draw_run_vocabulary(cfg: Config, run_dir: Path) -> vocab_dp.VocabRelease:
+    """A new canary run's DP vocabulary, from fresh seeds (secure: the OS CSPRNG, never stored; reproducible:
+    train.seed's, as ``widedp train`` would derive them)."""
+    from widedp import rng
+
+    if cfg.dp is None:
+        raise ConfigError("data.vocabulary: dp is charged to the run's privacy ledger; it needs a dp: section")
+    seeds = rng.new_seeds(mode=cfg.dp.rng, seed=cfg.train.seed)
+    return vocab_dp.run_release(cfg.data, run_dir, noise_seed=seeds.noise)
+
+
+def _canary_setup(cfg: Config, *, label: str, n_c: int, num_canaries: int, seed: int, vocab: Any
+                  ) -> tuple[Config, Any, dict[str, Any]]:
+    words = vocab.words if vocab is not None else clean_stream(cfg.data)[0]
+    canaries, controls = make_phrases(words, num=num_canaries, seed=seed)
     insert_seed = seed * 1000 + n_c
-    run_cfg, data, facts = canary_training_data(cfg, canaries, n_c=n_c, insert_seed=insert_seed)
+    run_cfg, data, facts = canary_training_data(cfg, canaries, n_c=n_c, insert_seed=insert_seed, vocab=vocab)
     info = {"format": _FORMAT, "label": label, "n_c": n_c, "seed": seed, "insert_seed": insert_seed,
             "num_canaries": num_canaries, "config_hash": run_cfg.hash(), "canaries": canaries, "controls": controls,
             **facts}
+    return run_cfg, data, info
+
+
+def _can_resume(run_dir: Path, info: dict[str, Any]) -> bool:
     path = run_dir / CANARIES_FILE
-    resume = False
-    if (run_dir / CHECKPOINT).is_file() and path.is_file():
-        try:
-            old = read_json(path)
-        except ConfigError:
-            old = {}
-        keys = ("config_hash", "canaries", "controls", "n_c", "inserted")
-        resume = isinstance(old, dict) and all(old.get(k) == info[k] for k in keys)
-    rundir.prepare(run_dir, resume=resume, overwrite=True)  # a run with other canaries or config is replaced
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(path, info)
-    train(run_cfg, run_dir, resume=resume, progress=progress, data=data)
-    return run_dir
+    if not ((run_dir / CHECKPOINT).is_file() and path.is_file()):
+        return False
+    try:
+        old = read_json(path)
+    except ConfigError:
+        old = {}
+    keys = ("config_hash", "canaries", "controls", "n_c", "inserted")
+    return isinstance(old, dict) and all(old.get(k) == info[k] for k in keys)
 
 
 # ----------------------------------------------------------------------------------------------------- evaluation

@@ -27,15 +27,29 @@ from widedp.config import (
     Config,
     DPConfig,
     ExponentialSelectionConfig,
+    GaussianThresholdSelectionConfig,
     RandomSparsificationConfig,
     SparseVectorSelectionConfig,
     UniformSelectionConfig,
 )
 from widedp.errors import ConfigError
 from widedp.noise import sensitivity
-from widedp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, Spend, StepSpend
+from widedp.spend import (
+    ExponentialSpend,
+    FreeSpend,
+    GaussianSelectionSpend,
+    GaussianSpend,
+    SparseVectorSpend,
+    Spend,
+    StepSpend,
+)
 
 JOURNAL = "spent.json"
+
+#: Set once ``widedp.train`` runs ``dp.preselect`` (``widedp.preselect``) and charges it before the first step
+#: (``preselect_runs``, e.g. as a ``run_budget.RunBudget`` prefix); until then a config with ``dp.preselect`` is
+#: refused (by ``calibrated``, on every training and ``widedp epsilon`` path) rather than trained without it.
+PRESELECT_WIRED = False
 
 
 def selection_k(k: int | None, gamma: float | None, num_rows: int) -> int:
@@ -55,6 +69,8 @@ def selection_spend(dp: DPConfig, num_rows: int) -> Spend:
         return SparseVectorSpend(
             epsilon=s.epsilon, cutoff=s.cutoff, epsilon_release=s.epsilon_release if s.release_values else 0.0
         )
+    if isinstance(s, GaussianThresholdSelectionConfig):  # contribution counts: l2 sensitivity 1
+        return GaussianSelectionSpend(noise_multiplier=s.sigma, sensitivity=1.0)
     assert isinstance(s, (UniformSelectionConfig, RandomSparsificationConfig, AllRowsConfig))
     return FreeSpend(s.name)
 
@@ -68,6 +84,23 @@ def step_spend(dp: DPConfig, *, num_rows: int, batch_size: int, n: int) -> StepS
     )
 
 
+def vocabulary_spend(vocab_dp: Any) -> StepSpend:
+    """The DP vocabulary's ledger entry (``widedp.vocab_dp``): one Gaussian of l2 sensitivity 1 and noise multiplier
+    ``vocab_dp.noise_multiplier`` on the whole corpus (sampling rate 1), recorded once before the first step. Its
+    threshold's delta is not in the entry: ``widedp.run_budget`` takes it off the run's delta."""
+    return StepSpend(sampling_rate=1.0, parts=(GaussianSpend(noise_multiplier=vocab_dp.noise_multiplier,
+                                                             sensitivity=1.0),))
+
+
+def preselect_runs(dp: DPConfig) -> list[tuple[StepSpend, int]]:
+    """What is spent before the first step: ``[(the one-shot pre-selection, 1)]`` with ``dp.preselect``, else []."""
+    if dp.preselect is None:
+        return []
+    from widedp.preselect import preselect_step
+
+    return [(preselect_step(dp.preselect), 1)]
+
+
 def steps_per_epoch(batch_size: int, n: int) -> int:
     return max(1, round(n / batch_size))
 
@@ -76,6 +109,9 @@ def calibrated(cfg: Config, *, num_rows: int, n: int) -> DPConfig:
     """Return ``cfg.dp`` with sigma or the selection's epsilon solved for ``dp.target_epsilon`` (if asked)."""
     dp = cfg.dp
     assert dp is not None
+    if dp.preselect is not None and not PRESELECT_WIRED:
+        raise ConfigError("dp.preselect: the one-shot pre-selection (widedp.preselect) is not wired into training "
+                          "yet; remove dp.preselect")
     if dp.calibrate == "none":
         return dp
     b = cfg.train.batch_size
@@ -87,6 +123,15 @@ def calibrated(cfg: Config, *, num_rows: int, n: int) -> DPConfig:
             lambda s: step_spend(replace(dp, noise_multiplier=s), num_rows=num_rows, batch_size=b, n=n), **kw
         )
         return replace(dp, noise_multiplier=sigma)
+    if isinstance(dp.selection, GaussianThresholdSelectionConfig):
+        # its privacy parameter is 1/sigma_sel (eps grows with it); threshold_sigmas keeps tau = c * sigma_sel
+        inv = accounting.calibrate_selection_epsilon(
+            lambda e: step_spend(
+                replace(dp, selection=replace(dp.selection, sigma=1.0 / e)), num_rows=num_rows, batch_size=b, n=n
+            ),
+            **kw,
+        )
+        return replace(dp, selection=replace(dp.selection, sigma=1.0 / inv))
     eps = accounting.calibrate_selection_epsilon(
         lambda e: step_spend(
             replace(dp, selection=replace(dp.selection, epsilon=e)), num_rows=num_rows, batch_size=b, n=n
@@ -124,7 +169,12 @@ def read_journal(run_dir: Path) -> accounting.Ledger | None:
     path = run_dir / JOURNAL
     if not path.exists():
         return None
-    return accounting.Ledger.from_json(read_json(path))
+    try:
+        return accounting.Ledger.from_json(read_json(path))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise ConfigError(f"{path}: not a spent-budget journal (corrupted?)") from None
 
 
 def resumed_ledger(checkpointed: accounting.Ledger, journal: accounting.Ledger | None, *, replayable: bool
@@ -152,6 +202,10 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
                           "`widedp train CONFIG` (seconds) reports the spent epsilon in summary.json")
     if cfg.dp is None:
         raise ConfigError("epsilon: the config has no dp: section (non-private training spends no budget)")
+    from widedp import run_budget
+
+    if run_budget.handles(cfg):  # privacy units or a DP vocabulary (issue 11)
+        return run_budget.epsilon_report(cfg)
     if cfg.task == "cbow":
         n = train_size(cfg)
         num_rows = cfg.data.vocab_size * (1 if cfg.model.tied else 2)

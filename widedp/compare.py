@@ -261,7 +261,8 @@ def run_sweep(sweep: Sweep, out: Path, *, progress: bool = False, overwrite: boo
         if action == "reuse":
             continue
         data = None
-        if cfg.task == "cbow":  # other tasks prepare their own data inside train()
+        # other tasks prepare their own data inside train(); so does a DP vocabulary (drawn per run, never shared)
+        if cfg.task == "cbow" and getattr(cfg.data, "vocabulary", "private_top") != "dp":
             if cfg.data not in data_cache:
                 data_cache = {cfg.data: prepare_cbow(cfg.data)}  # keep one prepared corpus in memory at a time
             data = data_cache[cfg.data]

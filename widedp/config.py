@@ -22,8 +22,6 @@ from typing import Any, Literal
 from widedp.configtools import (
     apply_override,
     build,
-    check_splits,
-    data_cache_key,
     expect_mapping,
     k_or_gamma,
     no_unknown,
@@ -33,72 +31,13 @@ from widedp.configtools import (
     section,
     show,
 )
+
+# the data: section (DataConfig, VocabDPConfig, DATA_PRESETS) lives in widedp.data_config, re-exported here
+from widedp.data_config import DATA_PRESETS, PRIVACY_UNITS, DataConfig, VocabDPConfig  # noqa: F401
 from widedp.errors import ConfigError
+from widedp.selection_config import GaussianThresholdSelectionConfig, PreselectConfig
 
-# ----------------------------------------------------------------------------------------------------------- data
-
-#: Named preprocessing presets; explicit keys in ``data:`` override them.
-DATA_PRESETS: dict[str, dict[str, Any]] = {
-    # The paper's Sec. 6 setting: V=1000, window 4, 8 negatives, 200K/100K/200K (target, context) pairs.
-    "paper": {"corpus": "brown", "vocab_size": 1000, "window": 4, "negatives": 8, "sample_shape": "pair",
-              "splits": [200_000, 100_000, 200_000]},
-    # The whole Brown corpus with V=10,000 (splits: every sample, 60/20/20 by fraction).
-    "brown_10k": {"corpus": "brown", "vocab_size": 10_000, "window": 4, "negatives": 8, "sample_shape": "pair",
-                  "splits": [0.6, 0.2, 0.2]},
-    "custom": {},
-}
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Preprocessing of a text corpus into CBOW samples.
-
-    Args:
-        preset: ``paper`` | ``brown_10k`` | ``custom``; the preset fills keys the config leaves out.
-        corpus: ``brown`` | ``text:PATH`` (a local UTF-8 file, one document or sentence per line) |
-            ``hf:NAME[:CONFIG]`` (a Hugging Face ``datasets`` text dataset; see ``hf_split`` / ``hf_column``).
-        vocab_size: V, the number of most frequent words kept (after stop-word removal).
-        window: context window; the context of a target is the ``window`` nearest in-vocabulary words on each side,
-            within its sentence (979,216 pairs on Brown with the paper preset).
-        negatives: negative samples per sample, drawn from unigram^0.75, never equal to the target.
-        sample_shape: ``pair`` (target + one context word, the paper's) or ``bag`` (target + its whole window).
-        splits: sizes of train / valid / test: integers (samples) or fractions of all samples summing to <= 1.
-        seed: seed of the shuffle and of the negatives.
-        lowercase, alpha_only, remove_stopwords: token filters (the paper: all true).
-        max_sentences: keep only the first N sentences (0 = all) — for smoke tests.
-        cache_dir: where prepared id arrays are cached (keyed by these parameters); "" turns caching off.
-    """
-
-    preset: Literal["paper", "brown_10k", "custom"] = "paper"
-    corpus: str = "brown"
-    vocab_size: int = 1000
-    window: int = 4
-    negatives: int = 8
-    sample_shape: Literal["pair", "bag"] = "pair"
-    splits: tuple[float, ...] = (200_000, 100_000, 200_000)
-    seed: int = 0
-    lowercase: bool = True
-    alpha_only: bool = True
-    remove_stopwords: bool = True
-    max_sentences: int = 0
-    hf_split: str = "train"
-    hf_column: str = "text"
-    cache_dir: str = ".cache/widedp"
-
-    def __post_init__(self) -> None:
-        positive("data.vocab_size", self.vocab_size)
-        positive("data.window", self.window)
-        nonneg("data.negatives", self.negatives)
-        nonneg("data.max_sentences", self.max_sentences)
-        check_splits(self.splits)
-        if not (self.corpus == "brown" or self.corpus.startswith(("text:", "hf:"))):
-            raise ConfigError(f"data.corpus: expected 'brown', 'text:PATH' or 'hf:NAME', got {self.corpus!r}")
-        if self.corpus.startswith("text:") and not Path(self.corpus[5:]).expanduser().is_file():
-            raise ConfigError(f"data.corpus: file not found: {self.corpus[5:]}")
-
-    def cache_key(self) -> str:
-        """Hash of every parameter that changes the prepared arrays (not where they are cached)."""
-        return data_cache_key(self, self.corpus[5:] if self.corpus.startswith("text:") else None)
+# ---------------------------------------------------------------------------------------------------------- model
 
 
 @dataclass(frozen=True)
@@ -185,8 +124,10 @@ class ExponentialSelectionConfig:
     Args:
         k: rows selected per step; or ``gamma``: the fraction of all rows (k = max(1, round(gamma * R))).
         epsilon: epsilon'' of each pick.
-        score_clip: S0; a row's score is min(||g_r||_2, S0).
+        score_clip: S0; a row's score is min(||g_r||_2, S0) (``score: count``: min(n_r, S0)).
         method: ``fast`` (O(rows touched + k), order statistics for untouched rows) or ``brute`` (O(R) reference).
+        score: ``norm`` (gradient norms, sensitivity min(S0, S1/b)) or ``count`` (n_r, the number of samples that
+            touched row r: scale-free, sensitivity min(S0, 1); needs score_clip >= 1).
     """
 
     name: Literal["exponential"] = "exponential"
@@ -195,11 +136,19 @@ class ExponentialSelectionConfig:
     epsilon: float = 1.0
     score_clip: float = 0.1
     method: Literal["fast", "brute"] = "fast"
+    score: Literal["norm", "count"] = "norm"
 
     def __post_init__(self) -> None:
         k_or_gamma("dp.selection", self.k, self.gamma)
         positive("dp.selection.epsilon", self.epsilon)
         positive("dp.selection.score_clip", self.score_clip)
+        _count_clip(self.score, self.score_clip)
+
+
+def _count_clip(score: str, score_clip: float) -> None:
+    if score == "count" and score_clip < 1:
+        raise ConfigError(f"dp.selection.score_clip: caps the counts with score: count, so it must be >= 1 "
+                          f"(a count cap, e.g. the batch size), got {score_clip}")
 
 
 @dataclass(frozen=True)
@@ -213,6 +162,9 @@ class SparseVectorSelectionConfig:
         cutoff: c, the number of rows selected at most (each selected row ends a segment; charged c segments).
         score_clip: S0.
         release_values: also release u_r + Lap (NumericSparse) — costs ``epsilon_release`` per selected row.
+        method: ``fast`` (O(rows touched + c): geometric skips over the untouched rows) or ``brute`` (O(R)
+            reference); the same output law.
+        score: ``norm`` or ``count`` (as for exponential).
     """
 
     name: Literal["sparse_vector"] = "sparse_vector"
@@ -223,11 +175,14 @@ class SparseVectorSelectionConfig:
     score_clip: float = 0.1
     release_values: bool = False
     epsilon_release: float = 0.0
+    method: Literal["fast", "brute"] = "fast"
+    score: Literal["norm", "count"] = "norm"
 
     def __post_init__(self) -> None:
         positive("dp.selection.epsilon", self.epsilon)
         positive("dp.selection.cutoff", self.cutoff)
         positive("dp.selection.score_clip", self.score_clip)
+        _count_clip(self.score, self.score_clip)
         if not 0 < self.threshold_fraction < 1:
             raise ConfigError(f"dp.selection.threshold_fraction: must be in (0, 1), got {self.threshold_fraction}")
         if self.release_values and self.epsilon_release <= 0:
@@ -276,6 +231,7 @@ SelectionConfig = (
     | UniformSelectionConfig
     | RandomSparsificationConfig
     | AllRowsConfig
+    | GaussianThresholdSelectionConfig
 )
 SELECTIONS: dict[str, type] = {
     "exponential": ExponentialSelectionConfig,
@@ -283,6 +239,7 @@ SELECTIONS: dict[str, type] = {
     "uniform": UniformSelectionConfig,
     "random_sparsification": RandomSparsificationConfig,
     "all": AllRowsConfig,
+    "gaussian_threshold": GaussianThresholdSelectionConfig,
 }
 
 
@@ -300,9 +257,12 @@ class DPConfig:
         accountant: ``pld`` (headline) | ``rdp``. (``paper``, the paper's Theorem 3, is refused: not a valid bound;
             ``widedp epsilon`` shows its figure as a labelled reference.)
         target_epsilon: stop training before the spent epsilon would exceed it (and calibrate, see ``calibrate``).
-        calibrate: with target_epsilon: ``none`` | ``noise_multiplier`` (solve sigma) | ``selection_epsilon``.
+        calibrate: with target_epsilon: ``none`` | ``noise_multiplier`` (solve sigma) | ``selection_epsilon``
+            (solve the selection's epsilon; for ``gaussian_threshold`` its sigma).
         selection: the row-selection mechanism, ``{name: exponential | sparse_vector | uniform |
-            random_sparsification | all, ...}``.
+            random_sparsification | all | gaussian_threshold, ...}``.
+        preselect: optional one-shot DP pre-selection of rows before the first step (``PreselectConfig``;
+            charged once); every step's selection then ranges over the pre-selected rows only.
         engine: ``widedp`` (our step) | ``opacus`` (Opacus' PrivacyEngine on an equivalent nn.Embedding CBOW — the
             DP-SGD baseline; needs ``selection: {name: all}``).
     """
@@ -317,6 +277,7 @@ class DPConfig:
     calibrate: Literal["none", "noise_multiplier", "selection_epsilon"] = "none"
     selection: SelectionConfig = field(default_factory=ExponentialSelectionConfig)
     engine: Literal["widedp", "opacus"] = "widedp"
+    preselect: PreselectConfig | None = None
 
     def __post_init__(self) -> None:
         if self.engine == "opacus" and self.selection.name != "all":
@@ -339,7 +300,7 @@ class DPConfig:
         if self.calibrate != "none" and self.target_epsilon is None:
             raise ConfigError("dp.calibrate: needs dp.target_epsilon")
         if self.calibrate == "selection_epsilon" and not isinstance(
-            self.selection, (ExponentialSelectionConfig, SparseVectorSelectionConfig)
+            self.selection, (ExponentialSelectionConfig, SparseVectorSelectionConfig, GaussianThresholdSelectionConfig)
         ):
             raise ConfigError(
                 f"dp.calibrate: selection_epsilon needs a data-dependent selection, not {self.selection.name!r}"
@@ -369,7 +330,11 @@ class Config:
         return d
 
     def hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+        d = self.to_dict()
+        view = getattr(type(self.data), "hash_view", None)  # data keys added later hash only when set
+        if view is not None:
+            d["data"] = view(d["data"])
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -417,7 +382,10 @@ def _dp_config(dp_raw: Any) -> DPConfig | None:
     name = sel_raw.get("name")
     if not isinstance(name, str) or name not in SELECTIONS:
         raise ConfigError(f"dp.selection.name: expected one of {', '.join(SELECTIONS)}, got {show(name)}")
-    return build("dp", DPConfig, dp_raw, selection=build("dp.selection", SELECTIONS[name], sel_raw))
+    pre_raw = dp_raw.pop("preselect", None)
+    preselect = None if pre_raw is None else build("dp.preselect", PreselectConfig, pre_raw)
+    return build("dp", DPConfig, dp_raw, selection=build("dp.selection", SELECTIONS[name], sel_raw),
+                 preselect=preselect)
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:

