@@ -150,6 +150,9 @@ def _text_sentences(path: str, limit: int | None) -> tuple[list[list[str]], np.n
             for line in f:
                 if limit is not None and len(out) >= limit:
                     break
+                if "\x00" in line:  # valid UTF-8 but not text: say so, not "too few distinct words"
+                    raise ConfigError(f"data.corpus: {path} is a binary file (a NUL byte on line {len(out) + 1}), "
+                                      "not text")
                 if line.strip():
                     doc += blank  # a blank line before this one closed the previous document
                     blank = False

@@ -103,7 +103,7 @@ CASES = {
     "corpus missing": (lambda t, b: _config(t, f"data: {{preset: custom, corpus: 'text:{t / 'no.txt'}'}}\n"),
                        "no.txt"),
     "corpus empty": (lambda t, b: _corpus(t, ""), "corpus"),
-    "corpus binary": (lambda t, b: _corpus(t, NUL), "NUL byte"),  # xfail: data_prep/corpus.py (XFAIL below)
+    "corpus binary": (lambda t, b: _corpus(t, NUL), "NUL byte"),
     "corpus non-UTF-8": (lambda t, b: _corpus(t, "caf\xe9 ol\xe9\n".encode("latin-1") * 50), "corpus"),
     "corpus one word": (lambda t, b: _corpus(t, "hello\n" * 50), "corpus"),
     "corpus all stop words": (lambda t, b: _corpus(t, "the and of a to\n" * 50), "no tokens left"),
@@ -173,7 +173,6 @@ CASES = {
 
 #: cases whose one line does not name the problem yet; the fix is outside the CLI (issue 14 report)
 XFAIL = {
-    "corpus binary": "data_prep/corpus.py reads a binary text corpus as words (message: vocab_size too large)",
 }
 
 
