@@ -83,6 +83,8 @@ class TrainConfig:
             end and at epoch ends). eval_batch_size: batch size of validation/test loss evaluation.
         max_steps: stop after this many steps in total (0 = no limit) — smoke runs.
         eval_max_samples: evaluate on at most this many samples of valid/test (0 = all).
+        keep_best: end with the weights of the epoch with the lowest validation loss (checked at epoch ends), not
+            the last epoch's; the summary names the epoch kept.
     """
 
     epochs: int = 20
@@ -99,6 +101,7 @@ class TrainConfig:
     eval_batch_size: int = 4096
     max_steps: int = 0
     eval_max_samples: int = 0
+    keep_best: bool = False
 
     def __post_init__(self) -> None:
         positive("train.epochs", self.epochs)

@@ -30,10 +30,13 @@ def run_statement(cfg: Config, dp: Any, ledger: accounting.Ledger, *, private_rn
 
 def summary(cfg: Config, dp: Any, history: list[dict[str, Any]], *, step: int, per_epoch: int, wall: float,
             setup_s: float, n: int, ledger: accounting.Ledger, stopped: bool, cap: int | None, private_rng: bool,
-            rb: run_budget.RunBudget | None = None, unit_info: dict[str, Any] | None = None) -> dict[str, Any]:
+            rb: run_budget.RunBudget | None = None, unit_info: dict[str, Any] | None = None,
+            kept_epoch: int | None = None) -> dict[str, Any]:
     """The summary dict of a cbow/recsys run (written to summary.json). ``unit_info``: the privacy unit's facts
     (unit, N units, cap, samples dropped by the cap); with units, ``samples_per_s`` counts units."""
     last = history[-1] if history else {}
+    if kept_epoch is not None:  # train.keep_best: the final weights are that epoch's
+        last = next(h for h in history if h["epoch"] == kept_epoch)
     samples = step * cfg.train.batch_size
     st = run_statement(cfg, dp, ledger, private_rng=private_rng, rb=rb)
     out: dict[str, Any] = {
@@ -43,6 +46,8 @@ def summary(cfg: Config, dp: Any, history: list[dict[str, Any]], *, step: int, p
         "config_hash": cfg.hash(), "private": dp is not None and private_rng,
         "initial_valid_loss": history[0]["valid_loss"], "privacy": st.to_json(), "notice": DIAGNOSTICS_NOTICE,
     }
+    if kept_epoch is not None:
+        out["kept_epoch"] = kept_epoch  # the losses above and the saved weights are that epoch's (train.keep_best)
     if unit_info:
         out["units"] = unit_info
     if dp is not None:

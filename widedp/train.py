@@ -169,10 +169,18 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
         metrics.write(json.dumps(rec) + "\n")
         metrics.flush()
 
+    best: dict[str, Any] = ckpt.get("best", {}) if ckpt is not None else {}  # keep_best: epoch, valid_loss, model
+
+    def remember_best() -> None:
+        rec = history[-1]
+        if tc.keep_best and rec["epoch"] > 0 and rec["valid_loss"] < best.get("valid_loss", float("inf")):
+            best.update(epoch=rec["epoch"], valid_loss=rec["valid_loss"],
+                        model={k: v.detach().clone() for k, v in model.state_dict().items()})
+
     def checkpoint() -> None:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                  "history": history, "elapsed": elapsed + time.perf_counter() - t0 - aside,
-                 "config_hash": cfg.hash()}
+                 "config_hash": cfg.hash(), "best": best}
         if dp is not None:  # (the journal is written ahead of each interval, never lowered here)
             state["ledger"] = ledger.to_json()
             rng.save_states(out, step, {"noise": noise_gen.get_state()})  # private/, before the checkpoint
@@ -263,6 +271,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
             if end_of_epoch:
                 history.append(_epoch_record(model, splits, tc, epoch, step, dp, ledger, rb))
                 log({"kind": "epoch", **history[-1]})
+                remember_best()
             checkpoint()
             aside += time.perf_counter() - t_aside
             t_window += time.perf_counter() - t_aside
@@ -272,6 +281,10 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
         if not history or history[-1]["step"] != step:
             history.append(_epoch_record(model, splits, tc, step // per_epoch, step, dp, ledger, rb))
             log({"kind": "epoch", **history[-1]})
+            remember_best()
+        if best and best["epoch"] != history[-1]["epoch"]:  # keep_best: end with the best epoch's weights
+            model.load_state_dict(best["model"])
+            log({"kind": "kept_best", "epoch": best["epoch"], "valid_loss": best["valid_loss"]})
         checkpoint()
     metrics.close()
     if dp is not None:
@@ -286,7 +299,8 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
             unit_info["vocabulary"] = release.mechanism
     summary = run_summary.summary(cfg, dp, history, step=step, per_epoch=per_epoch, wall=wall, setup_s=setup_s,
                                   n=n, ledger=ledger, stopped=stopped_by_budget, cap=budget_cap,
-                                  private_rng=private_rng, rb=rb, unit_info=unit_info)
+                                  private_rng=private_rng, rb=rb, unit_info=unit_info,
+                                  kept_epoch=best.get("epoch") if tc.keep_best else None)
     summary["wall_s"] = wall + aside + setup_s  # training + evaluation + checkpoints + setup
     write_json(out / "summary.json", summary)
     st = run_summary.run_statement(cfg, dp, ledger, private_rng=private_rng, rb=rb)

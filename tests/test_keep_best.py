@@ -1,0 +1,41 @@
+"""train.keep_best: a run ends with the weights (and reports the losses) of its lowest-validation-loss epoch."""
+
+import json
+
+import torch
+
+from widedp.cli import main
+
+TEXT = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(300))
+
+
+def test_keep_best_ends_with_the_best_validation_epoch(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"""
+data: {{preset: custom, corpus: "text:{corpus}", vocab_size: 11, remove_stopwords: false, alpha_only: false,
+       splits: [300, 300, 100], cache_dir: "{tmp_path / 'cache'}"}}
+model: {{dim: 16, tied: false, sparse: false}}
+train: {{epochs: 12, batch_size: 10, optimizer: adam, lr: 0.3, keep_best: true, eval_max_samples: 300}}
+""")  # a large lr on few samples: the validation loss does not fall monotonically
+    out = tmp_path / "run"
+    assert main(["train", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in recs if r["kind"] == "epoch"]
+    best = min(epochs, key=lambda r: r["valid_loss"])
+    assert best["epoch"] != epochs[-1]["epoch"]  # the case this test is about: the last epoch is not the best
+    assert summary["kept_epoch"] == best["epoch"]
+    assert summary["valid_loss"] == best["valid_loss"] and summary["test_loss"] == best["test_loss"]
+    # the saved weights are that epoch's: their validation loss is the best one, not the last one
+    from widedp.cbow_task import build_cbow
+    from widedp.train import SplitTensors, evaluate, load_run_config
+
+    cfg_obj = load_run_config(out)
+    (tmp_path / "scratch").mkdir()
+    splits, model = build_cbow(cfg_obj, tmp_path / "scratch", device=torch.device("cpu"))
+    model.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=True)["model"])
+    assert isinstance(splits["valid"], SplitTensors)
+    v = evaluate(model, splits["valid"], batch_size=4096, max_samples=300)
+    assert abs(v - best["valid_loss"]) < 1e-6
