@@ -97,8 +97,8 @@ def test_reproducible_run_says_not_private_everywhere(tmp_path, capsys):
     assert json.loads((tmp_path / "rel" / "privacy.json").read_text())["private"] is False
 
 
-def test_secure_run_resumes_exactly_from_private_state(tmp_path, monkeypatch):
-    """A snapshot of the run directory at its first checkpoint, resumed, ends with the uninterrupted weights."""
+def _run_with_snapshot(tmp_path, monkeypatch):
+    """A 200-step run, and a copy of its run directory taken right after its checkpoint at step 60 (a crash)."""
     d = tmp_path / "s"
     d.mkdir()
     cfg = load_config(_config(d, steps=200, ckpt_every=60))
@@ -113,6 +113,12 @@ def test_secure_run_resumes_exactly_from_private_state(tmp_path, monkeypatch):
     monkeypatch.setattr(train_mod, "save_checkpoint", snapshot)
     full = train_mod.train(cfg, run, progress=False)
     monkeypatch.setattr(train_mod, "save_checkpoint", orig)
+    return cfg, run, snap, full
+
+
+def test_secure_run_resumes_exactly_from_private_state(tmp_path, monkeypatch):
+    """A snapshot of the run directory at its first checkpoint, resumed, ends with the uninterrupted weights."""
+    cfg, run, snap, full = _run_with_snapshot(tmp_path, monkeypatch)
     resumed = train_mod.train(cfg, snap, resume=True, progress=False)
     a, b = _weights(run), _weights(snap)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -120,20 +126,7 @@ def test_secure_run_resumes_exactly_from_private_state(tmp_path, monkeypatch):
 
 
 def test_resume_without_private_keeps_journaled_spend(tmp_path, monkeypatch):
-    d = tmp_path / "s"
-    d.mkdir()
-    cfg = load_config(_config(d, steps=200, ckpt_every=60))
-    run, snap = d / "run", d / "snap"
-    orig = train_mod.save_checkpoint
-
-    def snapshot(out, state):
-        orig(out, state)
-        if state["step"] == 60 and not snap.exists():
-            shutil.copytree(out, snap)
-
-    monkeypatch.setattr(train_mod, "save_checkpoint", snapshot)
-    train_mod.train(cfg, run, progress=False)
-    monkeypatch.setattr(train_mod, "save_checkpoint", orig)
+    cfg, run, snap, _ = _run_with_snapshot(tmp_path, monkeypatch)
     journal = accounting.Ledger.from_json(json.loads((snap / "spent.json").read_text()))
     assert journal.steps == 75  # reserved ahead of the interval [50, 75) in which the checkpoint at 60 fell
     shutil.rmtree(snap / rng.PRIVATE_DIR)  # e.g. the directory was copied without its private part

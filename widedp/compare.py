@@ -36,7 +36,7 @@ from typing import Any
 from widedp import rundir
 from widedp.checkpoint import CHECKPOINT, load_checkpoint, read_json, write_json
 from widedp.config import Config, config_from_dict
-from widedp.configtools import apply_override, parse_yaml, read_config_file, show
+from widedp.configtools import apply_override, read_config_file, read_yaml_file, show
 from widedp.errors import ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
@@ -149,23 +149,7 @@ def _panels(path: str | Path, raw: Any, names: list[str]
 
 def _read_sweep_file(p: Path) -> Any:
     """A sweep file's YAML (UTF-8, no repeated keys; a ``dp:`` given no value under ``set`` is refused)."""
-    if not p.is_file():
-        raise ConfigError(f"sweep file not found: {p}")
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read the file ({e.strerror or e})") from None
-    if b"\0" in data:
-        raise ConfigError(f"{p}: not a UTF-8 text file (a NUL byte at offset {data.index(0)})")
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
-    empty: set[str] = set()
-    try:
-        raw = parse_yaml(text, empty)
-    except ConfigError as e:
-        raise ConfigError(f"{p}: {e}") from None
+    raw, empty = read_yaml_file(p, what="sweep file")
     bare = sorted(k for k in empty if k.endswith(".dp") and ".set." in f".{k}")
     if bare:
         raise ConfigError(f"{p}: {bare[0]}: is present but empty; give its keys, or write dp: null for non-private "

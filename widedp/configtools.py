@@ -270,12 +270,12 @@ def parse_yaml(text: str, empty_keys: set[str] | None = None) -> Any:
             loader.dispose()
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The top-level mapping of a YAML config file; a missing, unreadable, binary, non-UTF-8, empty or non-mapping
-    file, invalid YAML, a repeated key or a ``dp:`` given no value is a ``ConfigError`` starting with the path."""
+def read_yaml_file(path: str | Path, *, what: str) -> tuple[Any, set[str]]:
+    """A YAML file's value and the dotted keys given no value; a missing, unreadable, binary or non-UTF-8 file,
+    invalid YAML or a repeated key is a ``ConfigError`` starting with the path (``what``: "config file", ...)."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"{what} not found: {path}")
     try:
         data = p.read_bytes()
     except OSError as e:
@@ -288,9 +288,15 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
     empty: set[str] = set()
     try:
-        raw = parse_yaml(text, empty)
+        return parse_yaml(text, empty), empty
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The top-level mapping of a YAML config file; a missing, unreadable, binary, non-UTF-8, empty or non-mapping
+    file, invalid YAML, a repeated key or a ``dp:`` given no value is a ``ConfigError`` starting with the path."""
+    raw, empty = read_yaml_file(path, what="config file")
     if raw is None:
         raise ConfigError(f"{path}: the file is empty (expected a mapping of sections: task, data, model, train, "
                           "dp, ...)")
