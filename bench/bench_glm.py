@@ -23,9 +23,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from widedp.checkpoint import read_json, write_json
-from widedp.compare import load_sweep, run_dir
-from widedp.train import train
+from widedp.run.checkpoint import read_json, write_json
+from widedp.run.compare import load_sweep, run_dir
+from widedp.run.train import train
 
 
 def _stats(xs: list[float]) -> tuple[float, float]:

@@ -107,10 +107,10 @@ def _engine_step_fn(model: nn.Module, split, *, b: int):
 
 def _fast_step_fn(model, split, *, b: int):
     from widedp.config import ExponentialSelectionConfig
-    from widedp.optim import make_row_optimizer
-    from widedp.sampling import PoissonSampler
-    from widedp.selection import SelectionContext, make_selector
-    from widedp.step import dp_step
+    from widedp.dp.optim import make_row_optimizer
+    from widedp.dp.sampling import PoissonSampler
+    from widedp.dp.selection import SelectionContext, make_selector
+    from widedp.dp.step import dp_step
 
     n = len(split)
     sampler = PoissonSampler(n, sampling_rate=b / n, seed=0)
@@ -138,9 +138,9 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from api_toys import GenericRecsys
 
+    from widedp.config.recsys import RecsysDataConfig, RecsysModelConfig
     from widedp.data_prep.interactions import RecsysSplit, prepare_interactions
-    from widedp.recsys_config import RecsysDataConfig, RecsysModelConfig
-    from widedp.recsys_train import build_model
+    from widedp.tasks.recsys import build_model
 
     torch.set_num_threads(1)
     data = prepare_interactions(RecsysDataConfig(num_users=10_000, num_items=50_000, num_interactions=200_000,

@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_opacus.py --part a --full-run  # + wall time of one whole 20-epoch paper run
     .venv/bin/python bench/bench_opacus.py --part b --mem-gb 8  # V=1e5 only
 
-(a) Paper preset (Brown, V=1K, D=100, b=20, Adam): samples/s of training through ``widedp.train.train`` — widedp's
+(a) Paper preset (Brown, V=1K, D=100, b=20, Adam): samples/s of training through ``widedp.run.train.train`` — widedp's
     DP step for each selection mechanism, and ``dp.engine: opacus`` (Opacus PrivacyEngine, Poisson sampling through
     its DPDataLoader, hooks on nn.Embedding). Throughput = median of the logged interval rates (evaluation excluded,
     sampling, step, optimizer and ledger included), the first interval dropped as warm-up. Ratios vs Opacus.
@@ -70,7 +70,7 @@ def _rate(run_dir: Path) -> float:
 
 def part_a(steps: int, log_every: int, cache_dir: str | None, full_run: bool) -> dict[str, Any]:
     from widedp.data_prep.cbow import prepare_cbow
-    from widedp.train import train
+    from widedp.run.train import train
 
     data = prepare_cbow(_paper_cfg(None, steps=1, log_every=1, cache_dir=cache_dir).data)
     # adam: dense moments (the paper's, updates all 100K parameters every step); lazy_adam: selected rows only
@@ -96,7 +96,7 @@ def part_a(steps: int, log_every: int, cache_dir: str | None, full_run: bool) ->
         r["x_opacus"] = r["samples_per_s"] / base
     out: dict[str, Any] = {"cases": res}
     if full_run:
-        from widedp.compare import load_sweep
+        from widedp.run.compare import load_sweep
 
         sweep = load_sweep(ROOT / "configs" / "paper_fig1.yaml",
                            [f"data.cache_dir={cache_dir}"] if cache_dir else [])
@@ -134,7 +134,7 @@ def _child(case: str, V: int, steps: int) -> dict[str, Any]:
     data = _synthetic(V, n)
     if case.startswith("widedp"):
         from widedp.config import config_from_dict
-        from widedp.train import train
+        from widedp.run.train import train
 
         sel = {"name": "all"} if case == "widedp-all" else {"name": "exponential", "k": 256, "epsilon": 0.5,
                                                              "score_clip": 0.1}
@@ -160,8 +160,8 @@ def _opacus_child(case: str, data: Any, V: int, D: int, b: int, steps: int) -> d
     from torch.utils.data import DataLoader
 
     from widedp.models.cbow_opacus import OpacusCBOW, PerSampleLoss
-    from widedp.opacus_runner import SplitDataset, _as_is
-    from widedp.train import SplitTensors
+    from widedp.run.opacus_baseline import SplitDataset, _as_is
+    from widedp.run.train import SplitTensors
 
     ds = SplitDataset(SplitTensors.of(data.train, torch.device("cpu")))
     model = OpacusCBOW(V, D, tied=True)

@@ -5,7 +5,7 @@
     .venv/bin/python bench/bench_recsys.py --gpu --device cpu --rows 1e4 --batch 256   # the GPU mode's code on CPU
 
 CPU part: synthetic power-law data (10K users, 50K items, 2-tag bags, 1 context feature; D=16, MLP 32-16) on 1
-torch thread. Methods, each the whole inner loop of ``widedp.train`` (batch gather + KJT, model, step, optimizer):
+torch thread. Methods, each the whole inner loop of ``widedp.run.train`` (batch gather + KJT, model, step, optimizer):
 non-private dense Adam (autograd), non-private sparse SGD (sparse EBC gradients), DP-sparse (closed-form per-sample
 rows, ``dp_step`` with k exponential picks + the always-updated MLP rows, lazy Adam), DP-SGD (``selection: all``,
 lazy Adam). Rate = median over repeats of samples / s; ratios are to non-private dense Adam of the same run.
@@ -77,9 +77,9 @@ def _zipf_batches(card: dict[str, int], b: int, device: torch.device):
 def _step_fns(model, next_batch, *, b: int, n: int, k: int, device: torch.device) -> dict:
     """name -> a function running one training step of that method."""
     from widedp.config import AllRowsConfig, ExponentialSelectionConfig
-    from widedp.optim import make_row_optimizer
-    from widedp.selection import SelectionContext, make_selector
-    from widedp.step import dp_step
+    from widedp.dp.optim import make_row_optimizer
+    from widedp.dp.selection import SelectionContext, make_selector
+    from widedp.dp.step import dp_step
 
     ctx = SelectionContext(epoch=0, num_epochs=1)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -116,10 +116,10 @@ def _step_fns(model, next_batch, *, b: int, n: int, k: int, device: torch.device
 
 
 def cpu_part(batches: list[int], steps: int, repeats: int) -> dict:
+    from widedp.config.recsys import RecsysDataConfig, RecsysModelConfig
     from widedp.data_prep.interactions import RecsysSplit, prepare_interactions
-    from widedp.recsys_config import RecsysDataConfig, RecsysModelConfig
-    from widedp.recsys_train import build_model
-    from widedp.sampling import PoissonSampler
+    from widedp.dp.sampling import PoissonSampler
+    from widedp.tasks.recsys import build_model
 
     torch.set_num_threads(1)
     dev = torch.device("cpu")

@@ -52,12 +52,12 @@ def paper_preset(steps: int) -> dict:
     from widedp import accounting
     from widedp.config import DPConfig, config_from_dict
     from widedp.data_prep.cbow import prepare_cbow
+    from widedp.dp.optim import make_row_optimizer
+    from widedp.dp.sampling import PoissonSampler, ShuffledBatches
+    from widedp.dp.selection import SelectionContext, make_selector
+    from widedp.dp.step import dp_step
     from widedp.models.cbow import CBOW
-    from widedp.optim import make_row_optimizer
-    from widedp.sampling import PoissonSampler, ShuffledBatches
-    from widedp.selection import SelectionContext, make_selector
-    from widedp.step import dp_step
-    from widedp.train import SplitTensors
+    from widedp.run.train import SplitTensors
 
     cfg = config_from_dict({"data": {"preset": "paper"}})
     data = prepare_cbow(cfg.data)
@@ -141,10 +141,10 @@ def one_vocab_case(vocab: int, method: str, dim: int, batch: int, k: int, steps:
         GaussianThresholdSelectionConfig,
         SparseVectorSelectionConfig,
     )
+    from widedp.dp.optim import make_row_optimizer
+    from widedp.dp.selection import SelectionContext, make_selector
+    from widedp.dp.step import dp_step
     from widedp.models.cbow import CBOW, CBOWBatch
-    from widedp.optim import make_row_optimizer
-    from widedp.selection import SelectionContext, make_selector
-    from widedp.step import dp_step
 
     g = torch.Generator().manual_seed(0)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

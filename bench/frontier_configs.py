@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from widedp import accounting
-from widedp.spend import ExponentialSpend, GaussianSpend, SparseVectorSpend, StepSpend
+from widedp.dp.spend import ExponentialSpend, GaussianSpend, SparseVectorSpend, StepSpend
 
 ROOT = Path(__file__).resolve().parents[1]
 DELTA = 1e-5

@@ -12,7 +12,7 @@ keep only the bias feature (or are all zero without one).
 Privacy unit (what the GLM task's epsilon protects, add/remove): one row = one chunk with its document's label
 (``chunk_tokens: 0``: one whole document). Each row is weighted and normalised by its OWN counts and norm, so no
 training-set statistic enters the features; the vocabulary (train-chunk counts), the label set and the stratified
-split are computed from the data outside the privacy ledger (``widedp.glm_train.not_covered``).
+split are computed from the data outside the privacy ledger (``widedp.tasks.glm.not_covered``).
 
 Cache: ``<cache_dir>/brown-glm-v1-<key>.npz`` (the CSR arrays of the three splits) + ``.json`` (vocabulary, labels).
 """
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from widedp.config.glm import GLMDataConfig
 from widedp.data_prep import corpus as corpus_mod
 from widedp.errors import ConfigError
-from widedp.glm_config import GLMDataConfig
 
 _FORMAT = 1
 

@@ -20,8 +20,8 @@ The window definition was chosen by counting pairs on Brown with V=1000 (the iss
 224,940 bag samples (targets with a non-empty window). ``brown_10k`` (V=10,000): 2,514,322 pairs.
 
 Vocabulary (``data.vocabulary``): ``private_top`` (above), ``file:PATH`` (a public list, ``corpus.file_vocab``) or
-``dp`` (the run's release, ``widedp.vocab_dp``: passed in as ``vocab=``, never cached). The train split also keeps
-each sample's sentence, document and corpus-order key for privacy units (``widedp.units``); the splits themselves
+``dp`` (the run's release, ``widedp.dp.vocab``: passed in as ``vocab=``, never cached). The train split also keeps
+each sample's sentence, document and corpus-order key for privacy units (``widedp.dp.units``); the splits themselves
 are sample-level whatever the unit, so valid/test are the same pairs for every unit.
 """
 
@@ -102,7 +102,7 @@ def prepare_cbow(
     valid/test come from clean samples only.
 
     ``vocab``: the vocabulary to use (``data.vocabulary: dp`` needs the run's released one, see
-    ``widedp.vocab_dp``); such data is not cached.
+    ``widedp.dp.vocab``); such data is not cached.
     """
     if repeats < 0:
         raise ConfigError(f"repeats: must be >= 0, got {repeats}")

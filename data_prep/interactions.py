@@ -30,9 +30,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from widedp.config.recsys import RecsysDataConfig
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysBatch, make_kjt
-from widedp.recsys_config import RecsysDataConfig
 
 _FORMAT = 2  # bump when the prepared arrays change for the same parameters
 _RATING_FIELDS = ("user", "item", "rating", "timestamp")
@@ -66,7 +66,7 @@ class InteractionData:
 
 
 class RecsysSplit:
-    """A split as tensors on ``device``: ``len()`` and ``batch(idx) -> RecsysBatch`` (the widedp.train interface)."""
+    """A split as tensors on ``device``: ``len()`` and ``batch(idx) -> RecsysBatch`` (the training loop's interface)."""
 
     def __init__(self, data: Interactions, device: torch.device | str) -> None:
         self.names = list(data.features)

@@ -31,11 +31,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from widedp import rundir, vocab_dp
-from widedp.checkpoint import CHECKPOINT, load_checkpoint, read_json, write_json
 from widedp.config import Config, DataConfig
+from widedp.dp import vocab as vocab_dp
 from widedp.errors import ConfigError
 from widedp.eval.canary import check_vocab, phrase_ranks, sample_phrases, summarize
+from widedp.run import rundir
+from widedp.run.checkpoint import CHECKPOINT, load_checkpoint, read_json, write_json
 
 CANARIES_FILE = "canaries.json"
 REPORT_FILE = "canary.json"
@@ -173,7 +174,7 @@ def train_canary_run(cfg: Config, run_dir: Path, *, label: str, n_c: int, num_ca
     A run directory that already holds the same canaries and a checkpoint of the same config is resumed (a finished
     one returns at once after its final evaluation).
     """
-    from widedp.train import train
+    from widedp.run.train import train
 
     check_args(ncs=[n_c], num_canaries=num_canaries)
     kw = {"label": label, "n_c": n_c, "num_canaries": num_canaries, "seed": seed}
@@ -209,7 +210,7 @@ def _corpus(cfg: Config) -> Any:
 def _draw_run_vocabulary(cfg: Config, run_dir: Path) -> vocab_dp.VocabRelease:
     """A new canary run's DP vocabulary, from fresh seeds (secure: the OS CSPRNG, never stored; reproducible:
     train.seed's, as ``widedp train`` would derive them)."""
-    from widedp import rng
+    from widedp.dp import rng
 
     if cfg.dp is None:
         raise ConfigError("data.vocabulary: dp is charged to the run's privacy ledger; it needs a dp: section")
@@ -247,7 +248,7 @@ def _can_resume(run_dir: Path, info: dict[str, Any]) -> bool:
 def load_canary_run(run_dir: Path, *, device: str | None = None) -> CanaryRun:
     """Load a run directory's model (checkpoint.pt), vocab.json and canaries.json; ConfigError when one is missing."""
     from widedp.models.cbow import CBOW
-    from widedp.train import load_run_config, resolve_device
+    from widedp.run.train import load_run_config, resolve_device
 
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir}: no such run directory")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from widedp.rowgrads import PerSampleRows
+from widedp.dp.rowgrads import PerSampleRows
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ class CBOW(nn.Module):
         gh = torch.bmm(s.unsqueeze(1), e)  # [B, 1, D] dloss/dh
         ctx_vals = gh if C == 1 else wts.unsqueeze(2) * gh  # [B, C, D]
         values = torch.cat([ctx_vals, s.unsqueeze(2) * h.unsqueeze(1)], 1).view(-1, D)  # [B (C + L), D]
-        # coalesce (as widedp.rowgrads.coalesce, fewer ops): unique (sample, global row) keys, sorted
+        # coalesce (as widedp.dp.rowgrads.coalesce, fewer ops): unique (sample, global row) keys, sorted
         bounds = torch.arange(0, (B + 1) * R, R, device=ctx.device)  # sample j owns keys [j R, (j + 1) R)
         keys = (torch.cat([ctx_ids, out_ids], 1) + shift).add_(bounds[:B].unsqueeze(1)).view(-1)
         uniq, inv = torch.unique(keys, return_inverse=True)

@@ -12,13 +12,13 @@ MLP's parameters, flattened and cut into A = ceil(P / D) rows of width D, at [R_
 ARE those rows: ``self.dense`` [A, D] is the only dense parameter and the layers are views of it, so a row optimizer
 updating ``row_tables()`` in place updates the MLP. ``num_rows`` is R_emb (the rows a selection mechanism ranges
 over); every sample touches all A dense rows, and ``per_sample_row_grads`` returns a ``PerSampleRowsWithDense``
-with ``always_rows = A``, which ``widedp.step.dp_step`` selects every step besides the mechanism's picks
+with ``always_rows = A``, which ``widedp.dp.step.dp_step`` selects every step besides the mechanism's picks
 (data-independent: no selection budget; still clipped at S1 with the sample's embedding rows, and noised).
 
 Per-sample gradients (fused / TBE tables expose no per-parameter grads, torchrec #1614): the gradient w.r.t. each
 sample's pooled embeddings and the MLP is closed-form backprop through the head (no autograd, no host sync besides
 the ``torch.unique`` of the coalesce); each looked-up row of a bag gets the bag's pooled gradient (times 1/|bag| for
-MEAN), duplicate rows of a sample are summed (``widedp.rowgrads.coalesce``).
+MEAN), duplicate rows of a sample are summed (``widedp.dp.rowgrads.coalesce``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
-from widedp.rowgrads import PerSampleRows, coalesce
+from widedp.dp.rowgrads import PerSampleRows, coalesce
 
 Layers = list[tuple[Tensor, Tensor]]
 
@@ -55,7 +55,7 @@ logging.getLogger("torch.fx._symbolic_trace").addFilter(_FxTracingNotice())
 @dataclass(frozen=True)
 class PerSampleRowsWithDense(PerSampleRows):
     """``PerSampleRows`` whose last ``always_rows`` rows (of ``num_rows``) are dense parameters: ``dp_step``
-    selects them every step (see ``widedp.step``)."""
+    selects them every step (see ``widedp.dp.step``)."""
 
     always_rows: int = 0
 

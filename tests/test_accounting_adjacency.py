@@ -19,7 +19,7 @@ from scipy.stats import binom
 from widedp.accounting import compose_epsilon, epsilon_for_step
 from widedp.accounting import pld as P
 from widedp.accounting.parts import costs_of
-from widedp.spend import ExponentialSpend, GaussianSpend, SparseVectorSpend, StepSpend
+from widedp.dp.spend import ExponentialSpend, GaussianSpend, SparseVectorSpend, StepSpend
 
 
 def _rr_subsampled_laws(q: float, eps: float, steps: int) -> tuple[np.ndarray, np.ndarray]:

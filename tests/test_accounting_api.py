@@ -21,8 +21,8 @@ from widedp.accounting import (
     paper_theorem3_reference,
     report,
 )
+from widedp.dp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, StepSpend
 from widedp.errors import ConfigError
-from widedp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, StepSpend
 
 DELTA = 1e-5
 SMALL_Q, SMALL_T = 0.01, 400  # fast settings for calibration tests

@@ -9,11 +9,12 @@ import pytest
 from dp_accounting.pld import privacy_loss_distribution as pldm
 from opacus.accountants import RDPAccountant
 
-from widedp import accounting, budget
+from widedp import accounting
 from widedp.accounting import pld as P
 from widedp.accounting.parts import costs_of
 from widedp.config import DPConfig, GaussianThresholdSelectionConfig
-from widedp.spend import GaussianSelectionSpend, GaussianSpend, StepSpend
+from widedp.dp.spend import GaussianSelectionSpend, GaussianSpend, StepSpend
+from widedp.run import budget
 
 DELTA = 1e-5
 SIGMA, SIGMA_SEL, D2 = 0.9, 2.0, 1e-3  # gradient noise (relative to its sensitivity Δ₂), selection noise

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from widedp.accounting import Ledger
+from widedp.dp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, StepSpend
 from widedp.errors import ConfigError
-from widedp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, StepSpend
 
 JOINT = StepSpend(1e-4, (GaussianSpend(0.5, 0.75), ExponentialSpend(0.1 + 0.2, 100)))
 SVT = StepSpend(1e-4, (GaussianSpend(0.7), SparseVectorSpend(0.3, 5, 0.05)))

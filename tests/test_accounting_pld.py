@@ -13,7 +13,7 @@ from widedp.accounting import compose_epsilon, epsilon_for_step, paper_selection
 from widedp.accounting import pld as P
 from widedp.accounting import rdp as R
 from widedp.accounting.parts import costs_of
-from widedp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, StepSpend
+from widedp.dp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, StepSpend
 
 Q, T, DELTA = 1e-4, 200_000, 1e-5
 FREE = StepSpend(0.05, (FreeSpend("uniform"),))

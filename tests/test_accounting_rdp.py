@@ -8,7 +8,7 @@ from opacus.accountants.analysis.rdp import compute_rdp
 from widedp.accounting import compose_epsilon, epsilon_for_step, paper_selection_epsilon
 from widedp.accounting import rdp as R
 from widedp.accounting.parts import costs_of
-from widedp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, StepSpend
+from widedp.dp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, StepSpend
 
 Q, T, DELTA = 1e-4, 200_000, 1e-5  # the paper's setting: n = 200K, b = 20, 20 epochs
 

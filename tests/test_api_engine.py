@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 
 from widedp import accounting
 from widedp.api import BudgetExhausted, PrivacyEngine
+from widedp.dp.spend import ExponentialSpend, GaussianSpend, StepSpend
 from widedp.errors import ConfigError
-from widedp.spend import ExponentialSpend, GaussianSpend, StepSpend
 
 SEL = {"name": "exponential", "k": 6, "epsilon": 0.2, "score_clip": 0.1}
 
@@ -189,9 +189,9 @@ def _recsys_cli(tmp_path, capsys, **dp):
 
 
 def _recsys_engine(cfg, **kw):
+    from widedp.config.recsys import RecsysDataConfig
     from widedp.data_prep.interactions import RecsysSplit, prepare_interactions
     from widedp.models.recsys import RecsysModel
-    from widedp.recsys_config import RecsysDataConfig
 
     data = prepare_interactions(RecsysDataConfig(**cfg["data"]))
     split = RecsysSplit(data.train, "cpu")

@@ -153,9 +153,9 @@ def test_sequence_model_equals_brute_force():
 
 @pytest.mark.parametrize("pooling", ["mean", "sum"])
 def test_generic_path_equals_recsys_fast_path(pooling):
+    from widedp.config.recsys import RecsysDataConfig
     from widedp.data_prep.interactions import RecsysSplit, prepare_interactions
     from widedp.models.recsys import RecsysModel
-    from widedp.recsys_config import RecsysDataConfig
 
     data = prepare_interactions(RecsysDataConfig(num_users=7, num_items=9, num_interactions=300, num_tags=5,
                                                  tags_per_item=3, context_cardinality=4, cache_dir=""))

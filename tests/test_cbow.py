@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from widedp.dp.rowgrads import coalesce
 from widedp.models.cbow import CBOW, CBOWBatch
-from widedp.rowgrads import coalesce
 
 torch.set_num_threads(1)
 

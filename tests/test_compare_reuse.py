@@ -7,7 +7,7 @@ import json
 import pytest
 
 from widedp.cli import main
-from widedp.compare import load_sweep, plan
+from widedp.run.compare import load_sweep, plan
 
 WORDS = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(300))
 
@@ -83,7 +83,7 @@ def test_results_carry_the_privacy_and_panels_group_runs(sweep, tmp_path):
     rows = json.loads((out / "results.json").read_text())["rows"]
     for r in rows:
         assert r["delta"] == 1e-5 and r["unit"] == "(target, context) pair" and "ε=" in r["privacy"]
-    from widedp.compare_plots import privacy_label
+    from widedp.run.compare_plots import privacy_label
 
     s = json.loads((out / "uni" / "seed0" / "summary.json").read_text())
     label = privacy_label([s])

@@ -17,7 +17,6 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from widedp import glm_config, recsys_config
 from widedp.config import (
     DATA_PRESETS,
     SELECTIONS,
@@ -29,6 +28,8 @@ from widedp.config import (
     config_from_dict,
     load_config,
 )
+from widedp.config import glm as glm_config
+from widedp.config import recsys as recsys_config
 from widedp.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

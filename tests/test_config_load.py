@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from widedp.config import SELECTIONS, UniformSelectionConfig, config_from_dict, load_config
-from widedp.configtools import read_config_file
+from widedp.config.tools import read_config_file
 from widedp.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def test_overrides_fill_null_sections_and_leave_aliases(tmp_path):
     cfg = load_config(p, ["train.epochs=3", "dp.selection.name=all"])
     assert cfg.train.epochs == 3 and cfg.dp.selection.name == "all"
     raw = {"train": (shared := {"epochs": 2}), "model": {"dim": 4}}
-    from widedp.configtools import apply_override
+    from widedp.config.tools import apply_override
 
     apply_override(raw, "train.epochs=5")
     assert raw["train"] == {"epochs": 5} and shared == {"epochs": 2}

@@ -45,8 +45,9 @@ def _chi2_p(counts: dict, law: dict, n: int) -> float:
 def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     from widedp.config import AllRowsConfig, ExponentialSelectionConfig, UniformSelectionConfig
+    from widedp.config.recsys import RecsysDataConfig, RecsysModelConfig
     from widedp.data_prep.interactions import RecsysSplit, prepare_interactions
-    from widedp.distributed import (
+    from widedp.dp.distributed import (
         RowShard,
         ShardedRecsys,
         apply_update,
@@ -55,11 +56,10 @@ def _worker(rank: int, port: int) -> None:
         shard_of,
         sharded_gumbel_topk,
     )
-    from widedp.optim import make_row_optimizer
-    from widedp.recsys_config import RecsysDataConfig, RecsysModelConfig
-    from widedp.recsys_train import build_model
-    from widedp.selection import SelectionContext, make_selector
-    from widedp.step import dp_step
+    from widedp.dp.optim import make_row_optimizer
+    from widedp.dp.selection import SelectionContext, make_selector
+    from widedp.dp.step import dp_step
+    from widedp.tasks.recsys import build_model
 
     init_process_group(rank, WORLD, port=port, backend="gloo")
     ctx = SelectionContext(epoch=0, num_epochs=1)
@@ -191,6 +191,6 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_two_processes_match_single_process():
-    from widedp.distributed import free_port
+    from widedp.dp.distributed import free_port
 
     mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

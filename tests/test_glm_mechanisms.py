@@ -11,8 +11,8 @@ from scipy import integrate, stats
 
 from widedp import accounting
 from widedp.convex import common, dp_agd, frank_wolfe, numeric_sparse, output_perturbation, sparse_mean
+from widedp.dp.spend import GaussianSpend, StepSpend
 from widedp.models import glm
-from widedp.spend import GaussianSpend, StepSpend
 
 
 def _rows(seed: int = 0, n: int = 60, d: int = 12, k: int = 3) -> glm.SparseRows:

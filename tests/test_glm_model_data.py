@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from widedp.config import config_from_dict
+from widedp.config.glm import GLMDataConfig
 from widedp.data_prep.brown_glm import build_glm_data, chunk, prepare_glm, split_documents
 from widedp.errors import ConfigError
-from widedp.glm_config import GLMDataConfig
-from widedp.glm_train import to_rows
 from widedp.models import glm
+from widedp.tasks.glm import to_rows
 
 
 def _rows(seed: int = 0, n: int = 12, d: int = 9, k: int = 4) -> glm.SparseRows:

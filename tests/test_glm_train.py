@@ -12,7 +12,7 @@ import yaml
 from widedp.cli import main
 from widedp.config import config_from_dict
 from widedp.errors import ConfigError
-from widedp.train import train
+from widedp.run.train import train
 
 WORDS = {"sport": "ball goal team match win player coach score", "food": "bread cheese soup salad dinner cook taste",
          "tech": "computer code data network chip software server"}
@@ -117,7 +117,7 @@ def _w(run):
 
 
 def test_glm_rng_secure_by_default_secret_and_reproducible_repeats(corpus, tmp_path):
-    from widedp import rng
+    from widedp.dp import rng
 
     raw = _raw(corpus, tmp_path, {"name": "dpsgd", "epsilon": 4.0})
     del raw["algorithm"]["rng"]

@@ -26,7 +26,8 @@ def test_served_packages_resolve_inside_widedp():
 
 def test_pyproject_lists_every_package():
     text = (ROOT / "pyproject.toml").read_text()
-    listed = set(re.search(r"^packages = \[(.*?)\]", text, re.M).group(1).replace('"', "").replace(" ", "").split(","))
+    body = re.search(r"^packages = \[(.*?)\]", text, re.M | re.S).group(1)
+    listed = {p.strip().strip('"') for p in body.split(",") if p.strip()}
     found = {"widedp." + p.parent.relative_to(ROOT / "widedp").as_posix().replace("/", ".")
              for p in (ROOT / "widedp").rglob("__init__.py") if p.parent != ROOT / "widedp"}
     found |= {"widedp", "widedp.models", "widedp.data_prep", "widedp.eval"}

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from widedp.cli import main
+from widedp.config.recsys import RecsysDataConfig
 from widedp.data_prep import movielens
 from widedp.data_prep.interactions import prepare_interactions
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysBatch, RecsysModel, binary_metrics, exact_auc, make_kjt
-from widedp.recsys_config import RecsysDataConfig
 
 
 def _wheel(path, df=None, member=movielens.MEMBER):

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from widedp.clipping import aggregate, clip_l2, clip_per_sample, restrict
-from widedp.noise import gaussian_noise, sensitivity
-from widedp.rowgrads import PerSampleRows, coalesce
+from widedp.dp.clipping import aggregate, clip_l2, clip_per_sample, restrict
+from widedp.dp.noise import gaussian_noise, sensitivity
+from widedp.dp.rowgrads import PerSampleRows, coalesce
 
 
 def test_sensitivity_values():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from widedp.clipping import clip_per_sample
 from widedp.config import (
     AllRowsConfig,
     ExponentialSelectionConfig,
@@ -18,13 +17,14 @@ from widedp.config import (
     SparseVectorSelectionConfig,
     UniformSelectionConfig,
 )
+from widedp.config.recsys import RecsysDataConfig
 from widedp.data_prep.interactions import RecsysSplit, prepare_interactions
+from widedp.dp.clipping import clip_per_sample
+from widedp.dp.rowgrads import PerSampleRows, coalesce
+from widedp.dp.selection import ExponentialSelector, SelectionContext, make_selector
+from widedp.dp.step import dp_step
 from widedp.models.cbow import CBOW, CBOWBatch
 from widedp.models.recsys import RecsysModel
-from widedp.recsys_config import RecsysDataConfig
-from widedp.rowgrads import PerSampleRows, coalesce
-from widedp.selection import ExponentialSelector, SelectionContext, make_selector
-from widedp.step import dp_step
 
 CTX = SelectionContext(epoch=1, num_epochs=3)  # random sparsification keeps 3/4 of the rows at epoch 1
 BAD = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}

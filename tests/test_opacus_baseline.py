@@ -18,14 +18,14 @@ from torch.utils.data import DataLoader
 
 from widedp import accounting
 from widedp.config import AllRowsConfig, config_from_dict
+from widedp.dp.selection import SelectionContext, make_selector
+from widedp.dp.spend import FreeSpend, GaussianSpend, StepSpend
+from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
 from widedp.models.cbow import CBOW, CBOWBatch
 from widedp.models.cbow_opacus import OpacusCBOW
-from widedp.opacus_runner import SplitDataset, _as_is
-from widedp.selection import SelectionContext, make_selector
-from widedp.spend import FreeSpend, GaussianSpend, StepSpend
-from widedp.step import dp_step
-from widedp.train import SplitTensors, train
+from widedp.run.opacus_baseline import SplitDataset, _as_is
+from widedp.run.train import SplitTensors, train
 
 torch.set_num_threads(1)
 V, D = 40, 16
@@ -212,7 +212,7 @@ def test_config_errors(tmp_path):
 
 def test_nonfinite_sample_contributes_zero_in_the_opacus_engine():
     """As in widedp's step: a sample whose per-sample gradient is NaN/inf is zeroed before Opacus clips and noises."""
-    from widedp.opacus_runner import zero_nonfinite_samples
+    from widedp.run.opacus_baseline import zero_nonfinite_samples
 
     model = CBOW(V, D, tied=False, sparse=False, init_scale=8.0, generator=torch.Generator().manual_seed(3))
     b = _batch(B=6)

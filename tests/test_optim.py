@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from widedp.dp.optim import make_row_optimizer
+from widedp.dp.rowgrads import SparseRows
 from widedp.errors import ConfigError
-from widedp.optim import make_row_optimizer
-from widedp.rowgrads import SparseRows
 
 torch.set_num_threads(1)
 D = 4

@@ -10,15 +10,16 @@ import pytest
 import torch
 from scipy import stats
 
-import widedp.preselect as pre
-from widedp import accounting, budget
+import widedp.dp.selection.preselect as pre
+from widedp import accounting
 from widedp.config import AllRowsConfig, Config, DataConfig, DPConfig, TrainConfig, UniformSelectionConfig
+from widedp.config.selection import PreselectConfig
+from widedp.dp.rowgrads import PerSampleRows
+from widedp.dp.selection import SelectionContext, make_selector
+from widedp.dp.spend import GaussianSelectionSpend, GaussianSpend, StepSpend
+from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
-from widedp.rowgrads import PerSampleRows
-from widedp.selection import SelectionContext, make_selector
-from widedp.selection_config import PreselectConfig
-from widedp.spend import GaussianSelectionSpend, GaussianSpend, StepSpend
-from widedp.step import dp_step
+from widedp.run import budget
 
 CTX = SelectionContext(0, 1)
 

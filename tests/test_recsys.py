@@ -1,4 +1,4 @@
-"""The recsys task: torchrec model, per-sample gradients, interaction data, configs, training through widedp.train,
+"""The recsys task: torchrec model, per-sample gradients, interaction data, configs, training through widedp.run.train,
 and the ``always_rows`` extension of the DP step (dense MLP rows updated every step)."""
 
 from __future__ import annotations
@@ -10,23 +10,23 @@ import pytest
 import torch
 from scipy import stats
 
-from widedp import budget
 from widedp.config import (
     AllRowsConfig,
     ExponentialSelectionConfig,
     UniformSelectionConfig,
     config_from_dict,
 )
+from widedp.config.recsys import RecsysDataConfig, RecsysModelConfig
 from widedp.data_prep.interactions import RecsysSplit, prepare_interactions
+from widedp.dp.rowgrads import PerSampleRows, coalesce
+from widedp.dp.selection import SelectionContext, make_selector
+from widedp.dp.spend import ExponentialSpend
+from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysBatch, RecsysModel, make_kjt
-from widedp.recsys_config import RecsysDataConfig, RecsysModelConfig
-from widedp.recsys_train import build_model
-from widedp.rowgrads import PerSampleRows, coalesce
-from widedp.selection import SelectionContext, make_selector
-from widedp.spend import ExponentialSpend
-from widedp.step import dp_step
-from widedp.train import train
+from widedp.run import budget
+from widedp.run.train import train
+from widedp.tasks.recsys import build_model
 
 CTX = SelectionContext(epoch=0, num_epochs=1)
 
@@ -282,7 +282,7 @@ def test_always_rows_selected_free_and_noised():
     sel_all = make_selector(ExponentialSelectionConfig(k=5, epsilon=1.0, score_clip=0.2), num_rows=R)
     hits = sum(int((step(g, sel_all, s, always_rows=0).selected >= R - A).sum()) for s in range(50))
     assert 0 < hits < 50 * 2
-    # PerSampleRowsWithDense carries A to the step (what widedp.train relies on)
+    # PerSampleRowsWithDense carries A to the step (what widedp.run.train relies on)
     from widedp.models.recsys import PerSampleRowsWithDense
 
     gd = PerSampleRowsWithDense(g.values, g.rows, g.offsets, g.num_rows, always_rows=A)

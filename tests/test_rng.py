@@ -7,10 +7,11 @@ import stat
 import pytest
 import torch
 
-import widedp.train as train_mod
-from widedp import accounting, rng
+import widedp.run.train as train_mod
+from widedp import accounting
 from widedp.cli import main
 from widedp.config import load_config
+from widedp.dp import rng
 from widedp.errors import ConfigError
 
 TEXT = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(300))

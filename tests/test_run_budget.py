@@ -1,4 +1,4 @@
-"""The run's whole budget (widedp.run_budget): the DP vocabulary's Gaussian composed with the training steps in one
+"""The run's whole budget (widedp.run.run_budget): the DP vocabulary's Gaussian composed with the training steps in one
 ledger, its threshold's delta, calibration and the budget stop with it."""
 
 import math
@@ -6,10 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from widedp import accounting, budget, run_budget
+from widedp import accounting
 from widedp.config import Config, DataConfig, DPConfig, ExponentialSelectionConfig, TrainConfig, VocabDPConfig
+from widedp.dp.spend import ExponentialSpend, GaussianSpend, StepSpend
 from widedp.errors import ConfigError
-from widedp.spend import ExponentialSpend, GaussianSpend, StepSpend
+from widedp.run import budget, run_budget
 
 DELTA, DELTA_TAU = 1e-5, 1e-6
 STEP = StepSpend(0.01, (GaussianSpend(1.0, 0.001), ExponentialSpend(epsilon=0.05, picks=10)))

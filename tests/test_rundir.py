@@ -2,8 +2,8 @@
 
 import json
 
-from widedp import rundir
 from widedp.cli import main
+from widedp.run import rundir
 
 TEXT = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(300))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from widedp.sampling import PoissonSampler, ShuffledBatches
+from widedp.dp.sampling import PoissonSampler, ShuffledBatches
 
 P_MIN = 1e-4  # goodness-of-fit p-values below this fail (the runs are seeded: no flakiness)
 
@@ -128,10 +128,10 @@ TEXT = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i 
 
 
 def test_dp_training_trains_on_poisson_batches(tmp_path, monkeypatch):
-    """widedp.train.train on a tiny CBOW: the batches per_sample_row_grads actually sees are Poisson(b/n)."""
-    from widedp import train as train_mod
+    """widedp.run.train.train on a tiny CBOW: the batches per_sample_row_grads actually sees are Poisson(b/n)."""
     from widedp.config import load_config
     from widedp.models.cbow import CBOW
+    from widedp.run import train as train_mod
 
     n, b, epochs = 1000, 50, 40  # q = 0.05, 20 steps per epoch, T = 800
     corpus = tmp_path / "corpus.txt"

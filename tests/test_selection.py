@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy import stats
 
-import widedp.selection as selection
-import widedp.selection_base as selection_base
+import widedp.dp.selection as selection
+import widedp.dp.selection.base as selection_base
 from widedp.config import (
     AllRowsConfig,
     ExponentialSelectionConfig,
@@ -18,9 +18,8 @@ from widedp.config import (
     SparseVectorSelectionConfig,
     UniformSelectionConfig,
 )
-from widedp.errors import ConfigError
-from widedp.noise import laplace
-from widedp.selection import (
+from widedp.dp.noise import laplace
+from widedp.dp.selection import (
     AllRowsSelector,
     ExponentialSelector,
     RandomSparsificationSelector,
@@ -32,7 +31,8 @@ from widedp.selection import (
     make_selector,
     sample_distinct,
 )
-from widedp.spend import ExponentialSpend, FreeSpend, SparseVectorSpend
+from widedp.dp.spend import ExponentialSpend, FreeSpend, SparseVectorSpend
+from widedp.errors import ConfigError
 
 CTX = SelectionContext(epoch=0, num_epochs=1)
 
@@ -367,7 +367,7 @@ def test_exponential_k_equals_all_rows():
 
 def test_random_sparsification_mask_survives_a_resume():
     # a resumed run has a fresh selector and a generator in another state: the epoch's mask must not change
-    from widedp.selection import RandomSparsificationSelector, SelectionContext
+    from widedp.dp.selection import RandomSparsificationSelector, SelectionContext
 
     ctx = SelectionContext(epoch=3, num_epochs=10)
     empty = torch.zeros(0, dtype=torch.long)

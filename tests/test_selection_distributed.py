@@ -13,12 +13,12 @@ WORLD = 2
 def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     from widedp.config import GaussianThresholdSelectionConfig, SparseVectorSelectionConfig
+    from widedp.config.recsys import RecsysDataConfig, RecsysModelConfig
     from widedp.data_prep.interactions import RecsysSplit, prepare_interactions
-    from widedp.distributed import ShardedRecsys, distributed_dp_step, init_process_group, shard_of
-    from widedp.recsys_config import RecsysDataConfig, RecsysModelConfig
-    from widedp.recsys_train import build_model
-    from widedp.selection import SelectionContext, make_selector
-    from widedp.step import dp_step
+    from widedp.dp.distributed import ShardedRecsys, distributed_dp_step, init_process_group, shard_of
+    from widedp.dp.selection import SelectionContext, make_selector
+    from widedp.dp.step import dp_step
+    from widedp.tasks.recsys import build_model
 
     init_process_group(rank, WORLD, port=port, backend="gloo")
     ctx = SelectionContext(epoch=0, num_epochs=1)
@@ -54,6 +54,6 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_count_and_contribution_scores_across_shards():
-    from widedp.distributed import free_port
+    from widedp.dp.distributed import free_port
 
     mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

@@ -12,16 +12,16 @@ import torch
 from scipy import stats
 from scipy.stats import norm
 
-import widedp.selection_gaussian as sg
-from widedp.budget import selection_spend
+import widedp.dp.selection.gaussian as sg
 from widedp.config import DPConfig, GaussianThresholdSelectionConfig
+from widedp.dp.rowgrads import PerSampleRows
+from widedp.dp.selection import SelectionContext, make_selector
+from widedp.dp.selection.gaussian import GaussianThresholdSelector, false_positives, tail_probability
+from widedp.dp.selection.scores import row_counts
+from widedp.dp.spend import GaussianSelectionSpend
+from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
-from widedp.rowgrads import PerSampleRows
-from widedp.selection import SelectionContext, make_selector
-from widedp.selection_gaussian import GaussianThresholdSelector, false_positives, tail_probability
-from widedp.selection_scores import row_counts
-from widedp.spend import GaussianSelectionSpend
-from widedp.step import dp_step
+from widedp.run.budget import selection_spend
 
 CTX = SelectionContext(epoch=0, num_epochs=1)
 

@@ -1,14 +1,14 @@
-"""Selection scores (widedp.selection_scores): the sensitivities each selector relies on, by search over add/remove
+"""Selection scores (widedp.dp.selection.scores): the sensitivities each selector relies on, by search over add/remove
 neighbours, and what dp_step hands each kind of selector."""
 
 import numpy as np
 import pytest
 import torch
 
-from widedp.rowgrads import PerSampleRows
-from widedp.selection import SelectionContext, UniformSelector
-from widedp.selection_scores import row_counts, selection_scores
-from widedp.step import dp_step
+from widedp.dp.rowgrads import PerSampleRows
+from widedp.dp.selection import SelectionContext, UniformSelector
+from widedp.dp.selection.scores import row_counts, selection_scores
+from widedp.dp.step import dp_step
 
 
 def batch_of(samples: list[list[int]], num_rows: int, dim: int = 2, seed: int = 0) -> PerSampleRows:

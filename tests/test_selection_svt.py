@@ -8,10 +8,10 @@ import pytest
 import torch
 from scipy import stats
 
-import widedp.selection_base as selection_base
-import widedp.selection_svt as svt
+import widedp.dp.selection.base as selection_base
+import widedp.dp.selection.svt as svt
 from widedp.config import SparseVectorSelectionConfig
-from widedp.selection import SelectionContext, SparseVectorSelector, make_selector
+from widedp.dp.selection import SelectionContext, SparseVectorSelector, make_selector
 
 CTX = SelectionContext(epoch=0, num_epochs=1)
 

@@ -14,16 +14,16 @@ from widedp.config import (
     SparseVectorSelectionConfig,
     UniformSelectionConfig,
 )
-from widedp.rowgrads import PerSampleRows, coalesce
-from widedp.selection import (
+from widedp.dp.rowgrads import PerSampleRows, coalesce
+from widedp.dp.selection import (
     AllRowsSelector,
     ExponentialSelector,
     SelectionContext,
     UniformSelector,
     make_selector,
 )
-from widedp.spend import ExponentialSpend, GaussianSelectionSpend, GaussianSpend, StepSpend
-from widedp.step import dp_step
+from widedp.dp.spend import ExponentialSpend, GaussianSelectionSpend, GaussianSpend, StepSpend
+from widedp.dp.step import dp_step
 
 CTX = SelectionContext(epoch=0, num_epochs=3)
 
@@ -197,8 +197,8 @@ def test_sparse_vector_selecting_nothing():
 
 def test_gaussian_threshold_step_spends_the_folded_record():
     """The step's spend names both Gaussians (the accountant folds them) and equals budget.step_spend's record."""
-    from widedp.budget import step_spend
     from widedp.config import DPConfig
+    from widedp.run.budget import step_spend
 
     gen = torch.Generator().manual_seed(6)
     g = random_batch(gen, batch=10, num_rows=40, dim=3)

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-import widedp.train as train_mod
-from widedp import accounting, vocab_dp
+import widedp.run.train as train_mod
+from widedp import accounting
 from widedp.cli import main
 from widedp.config import load_config
+from widedp.dp import vocab as vocab_dp
 from widedp.errors import ConfigError
 
 rng = np.random.default_rng(0)

@@ -1,5 +1,5 @@
 """Privacy units (issue 11): grouping and the cap, Poisson sampling over units, per-unit clipping and its
-sensitivity (widedp.units)."""
+sensitivity (widedp.dp.units)."""
 
 import dataclasses
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 from scipy import stats
 
+from widedp.dp.rowgrads import coalesce
+from widedp.dp.selection import AllRowsSelector, SelectionContext
+from widedp.dp.step import dp_step
+from widedp.dp.units import UnitPoissonSampler, group_rows, group_units
 from widedp.errors import ConfigError
-from widedp.rowgrads import coalesce
-from widedp.selection import AllRowsSelector, SelectionContext
-from widedp.step import dp_step
-from widedp.units import UnitPoissonSampler, group_rows, group_units
 
 CTX = SelectionContext(epoch=0, num_epochs=1)
 
@@ -200,9 +200,9 @@ def test_per_unit_sensitivity_with_the_cbow_model():
 
 
 def test_per_user_sensitivity_with_the_recommender(tmp_path):
+    from widedp.config.recsys import RecsysDataConfig, RecsysModelConfig
     from widedp.data_prep.interactions import RecsysSplit, prepare_interactions
-    from widedp.recsys_config import RecsysDataConfig, RecsysModelConfig
-    from widedp.recsys_train import build_model
+    from widedp.tasks.recsys import build_model
 
     data = prepare_interactions(RecsysDataConfig(num_users=8, num_items=30, num_interactions=120, cache_dir=""))
     model = build_model(data.cardinality, RecsysModelConfig(dim=4, hidden=(6,), init_scale=1.0), seed=0)

@@ -1,4 +1,4 @@
-"""The DP vocabulary (widedp.vocab_dp): unit-capped weighted counts, their sensitivity, the threshold's delta, the
+"""The DP vocabulary (widedp.dp.vocab): unit-capped weighted counts, their sensitivity, the threshold's delta, the
 Gaussian law of the release, and its secret, per-run randomness."""
 
 import dataclasses
@@ -9,9 +9,9 @@ import pytest
 import torch
 from scipy import stats
 
-from widedp import vocab_dp
 from widedp.config import DataConfig, VocabDPConfig
 from widedp.data_prep.corpus import filter_sentences
+from widedp.dp import vocab as vocab_dp
 from widedp.errors import ConfigError
 
 

@@ -5,8 +5,8 @@ The public API, imported on first use (``import widedp`` stays light)::
     engine = widedp.PrivacyEngine(selection=..., clip1=..., clip2=..., noise_multiplier=... | target_epsilon=...)
     model, optimizer, loader = engine.make_private(model, optimizer, data_loader, epochs=...)
 
-``PrivacyEngine`` and its errors live in ``widedp.api``; ``dp_step`` (the pure DP step) in ``widedp.step``, on
-``PerSampleRows`` (``widedp.rowgrads``).
+``PrivacyEngine`` and its errors live in ``widedp.api``; ``dp_step`` (the pure DP step) in ``widedp.dp.step``, on
+``PerSampleRows`` (``widedp.dp.rowgrads``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 __all__ = ["BudgetExhausted", "IdOutOfRangeError", "PerSampleRows", "PrivacyEngine", "UnsupportedModelError", "dp_step"]
 
 _HOME = {"BudgetExhausted": "widedp.api", "IdOutOfRangeError": "widedp.api", "PrivacyEngine": "widedp.api",
-         "UnsupportedModelError": "widedp.api", "PerSampleRows": "widedp.rowgrads", "dp_step": "widedp.step"}
+         "UnsupportedModelError": "widedp.api", "PerSampleRows": "widedp.dp.rowgrads", "dp_step": "widedp.dp.step"}
 
 
 def __getattr__(name: str) -> Any:

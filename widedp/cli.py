@@ -11,7 +11,7 @@
     widedp compare SWEEP.yaml --out DIR --overwrite            rerun the runs whose config changed
 
 Bad input (arguments, config keys, values, files) gives one line on stderr and exit code 2; a new run that fails
-that way leaves no run directory behind (``widedp.rundir``).
+that way leaves no run directory behind (``widedp.run.rundir``).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.cmd == "train":
         from widedp.config import load_config
-        from widedp.train import default_out, train
+        from widedp.run.train import default_out, train
 
         if args.resume:
             if args.config is not None or args.overrides or args.overwrite:
@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
         progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
         summary = train(cfg, run_dir, resume=bool(args.resume), progress=progress, overwrite=args.overwrite)
         if cfg.task == "recsys":
-            from widedp.recsys_train import add_eval_metrics
+            from widedp.tasks.recsys import add_eval_metrics
 
             summary.update(add_eval_metrics(cfg, run_dir))
         keys = ("train_loss", "valid_loss", "test_loss", "steps", "samples_per_s") + (
@@ -138,13 +138,13 @@ def _run(args: argparse.Namespace) -> int:
         _say_privacy(summary["privacy"])
         return 0
     if args.cmd == "epsilon":
-        from widedp.budget import epsilon_report
         from widedp.config import load_config
+        from widedp.run.budget import epsilon_report
 
         cfg = load_config(args.config, args.overrides)
         rep = epsilon_report(cfg)
         if cfg.task != "glm":
-            from widedp.statement import for_run
+            from widedp.accounting.statement import for_run
 
             st = for_run(cfg, epsilon=rep["epsilon"], delta=cfg.dp.delta, accountant=cfg.dp.accountant,
                          private_rng=cfg.dp.rng == "secure")
@@ -152,7 +152,7 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(rep, indent=2, ensure_ascii=False))
         return 0
     if args.cmd == "export":
-        from widedp.export import export_release
+        from widedp.run.export import export_release
 
         run_dir = Path(args.run_dir)
         out = Path(args.out) if args.out else run_dir / "release"
@@ -163,8 +163,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "canary":
         return _canary(args)
     if args.cmd == "compare":
-        from widedp.compare import compare
-        from widedp.train import default_out
+        from widedp.run.compare import compare
+        from widedp.run.train import default_out
 
         out = Path(args.out) if args.out else default_out(args.sweep)
         progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
@@ -177,7 +177,7 @@ def _run(args: argparse.Namespace) -> int:
 def _run_config(run_dir: Path) -> Config:
     """The resolved config of a run directory (``config.yaml``), read as strictly as a config file."""
     from widedp.config import config_from_dict
-    from widedp.configtools import read_config_file
+    from widedp.config.tools import read_config_file
 
     if not run_dir.is_dir():
         raise ConfigError(f"--resume {run_dir}: not a directory")

@@ -13,8 +13,8 @@ from widedp.accounting import pld as pld_mod
 from widedp.accounting import rdp as rdp_mod
 from widedp.accounting.ledger import Ledger, spend_to_json
 from widedp.accounting.parts import Costs, costs_of
+from widedp.dp.spend import GaussianSpend, StepSpend
 from widedp.errors import ConfigError
-from widedp.spend import GaussianSpend, StepSpend
 
 Accountant = Literal["pld", "rdp"]
 #: The accountants that may calibrate, budget and report a run (valid upper bounds on add/remove eps).

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from widedp.accounting.accountant import Accountant, _check, compose_epsilon, noise_part, selection_part
 from widedp.accounting.parts import costs_of
 from widedp.accounting.pld import PLDRangeError
+from widedp.dp.spend import StepSpend
 from widedp.errors import ConfigError
-from widedp.spend import StepSpend
 
 _MAX_ITER = 60
 

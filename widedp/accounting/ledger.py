@@ -17,8 +17,7 @@ import numbers
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from widedp.errors import ConfigError
-from widedp.spend import (
+from widedp.dp.spend import (
     ExponentialSpend,
     FreeSpend,
     GaussianSelectionSpend,
@@ -27,6 +26,7 @@ from widedp.spend import (
     Spend,
     StepSpend,
 )
+from widedp.errors import ConfigError
 
 FORMAT = "widedp.ledger/1"
 

@@ -25,8 +25,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from widedp.dp.spend import ExponentialSpend, GaussianSelectionSpend, GaussianSpend, SparseVectorSpend, StepSpend
 from widedp.errors import ConfigError
-from widedp.spend import ExponentialSpend, GaussianSelectionSpend, GaussianSpend, SparseVectorSpend, StepSpend
 
 #: The key under which reports carry the paper's figure (the name is the label).
 REFERENCE_KEY = "paper_theorem3_reference_NOT_A_BOUND"

@@ -23,8 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from widedp.errors import ConfigError
-from widedp.spend import (
+from widedp.dp.spend import (
     ExponentialSpend,
     FreeSpend,
     GaussianSelectionSpend,
@@ -32,6 +31,7 @@ from widedp.spend import (
     SparseVectorSpend,
     StepSpend,
 )
+from widedp.errors import ConfigError
 
 
 @dataclass(frozen=True)

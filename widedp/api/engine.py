@@ -7,7 +7,7 @@
         for batch in loader:                       # Poisson batches, q = batch_size / len(dataset)
             loss = per_sample_loss(model, batch)   # [B]: reduction="none"
             loss.sum().backward()                  # one backward: per-sample gradients are recorded by hooks
-            optimizer.step()                       # the DP step (widedp.step.dp_step) and the updates
+            optimizer.step()                       # the DP step (widedp.dp.step.dp_step) and the updates
     print(engine.statement().text)                 # (ε, δ) for adding/removing one training example [PLD]
 
 or, without the optimizer protocol, ``engine.step(batch, loss_fn)`` (loss_fn(batch) -> [B] losses).
@@ -37,19 +37,21 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from widedp import accounting, budget, rng
+from widedp import accounting
+from widedp.accounting.statement import PrivacyStatement
 from widedp.api.capture import Capture
 from widedp.api.loader import PoissonLoader
 from widedp.api.per_sample import Layout, batch_size_of, per_sample_rows, with_always_rows
 from widedp.api.update import Updater
 from widedp.config import SELECTIONS, DPConfig, SelectionConfig
+from widedp.dp import rng
+from widedp.dp.rowgrads import PerSampleRows
+from widedp.dp.sampling import PoissonSampler
+from widedp.dp.selection import SelectionContext, make_selector
+from widedp.dp.spend import StepSpend
+from widedp.dp.step import StepStats, dp_step
 from widedp.errors import ConfigError
-from widedp.rowgrads import PerSampleRows
-from widedp.sampling import PoissonSampler
-from widedp.selection import SelectionContext, make_selector
-from widedp.spend import StepSpend
-from widedp.statement import PrivacyStatement
-from widedp.step import StepStats, dp_step
+from widedp.run import budget
 
 STATE_FORMAT = "widedp.engine/1"
 UNIT_NAMES = {"example": "training example"}

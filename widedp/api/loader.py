@@ -1,7 +1,7 @@
 """The Poisson loader ``PrivacyEngine.make_private`` returns in place of the user's DataLoader.
 
 Every step, each of the n items of ``data_loader.dataset`` joins the batch independently with probability
-q = b / n (b = ``data_loader.batch_size``, the expected batch size), drawn by ``widedp.sampling.PoissonSampler`` from
+q = b / n (b = ``data_loader.batch_size``, the expected batch size), drawn by ``widedp.dp.sampling.PoissonSampler`` from
 the engine's secret sampling seed; the batch is ``collate_fn([dataset[i] for i in batch])``. One ``iter()`` yields
 the rest of the current epoch (round(n / b) steps per epoch), so ``for epoch in ...: for batch in loader:`` works, and
 a resumed engine continues mid-epoch with the very batches an uninterrupted run would have drawn.

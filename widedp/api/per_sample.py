@@ -10,7 +10,7 @@ A narrower table's rows are zero-padded to D (the pad is noised by the step and 
 rows are ``dp_step``'s always rows: selected every step at no selection cost, clipped with the sample's table rows
 (one S1 clip over everything a sample touched) and noised like them.
 
-Per-sample gradients: table entries ``go[src] * scale`` summed per (sample, row) (``widedp.rowgrads.coalesce``);
+Per-sample gradients: table entries ``go[src] * scale`` summed per (sample, row) (``widedp.dp.rowgrads.coalesce``);
 ``nn.Linear`` in closed form (go^T x per sample, inputs [B, ..., in]); any other layer by ``torch.func``
 (vmap over the batch of the gradient of <layer(x_j), go_j>): both need the per-sample loss to be a sum over
 samples with each sample's loss depending on its own inputs only.
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from widedp.api.capture import Record, Table, UnsupportedModelError
-from widedp.rowgrads import PerSampleRows, coalesce
+from widedp.dp.rowgrads import PerSampleRows, coalesce
 
 
 @dataclass(frozen=True)

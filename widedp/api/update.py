@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from widedp.api.per_sample import Layout
+from widedp.dp.optim import make_row_optimizer
+from widedp.dp.rowgrads import SparseRows
 from widedp.errors import ConfigError
-from widedp.optim import make_row_optimizer
-from widedp.rowgrads import SparseRows
 
 TABLE_OPTIMIZERS = ("sgd", "lazy_adam", "adam")
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from widedp import accounting
+from widedp.dp.spend import ExponentialSpend, GaussianSpend, SparseVectorSpend, StepSpend
 from widedp.models import glm
-from widedp.spend import ExponentialSpend, GaussianSpend, SparseVectorSpend, StepSpend
 
 # ------------------------------------------------------------------------------------------------ spend records
 
@@ -53,7 +53,7 @@ ConvexSpend = LaplaceSpend | NoisyMaxSpend | ZCDPGaussianSpend | GaussianSpend |
 
 
 def to_accountant(part: ConvexSpend) -> Any:
-    """One of the records above as a record of ``widedp.spend`` (which the accountant composes)."""
+    """One of the records above as a record of ``widedp.dp.spend`` (which the accountant composes)."""
     if isinstance(part, LaplaceSpend):
         return ExponentialSpend(epsilon=part.epsilon, picks=part.count, bounded_range=False)
     if isinstance(part, NoisyMaxSpend):

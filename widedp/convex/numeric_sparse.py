@@ -40,8 +40,8 @@ import torch
 from widedp import accounting
 from widedp.convex.common import Callback, ConvexResult, laplace, mean_sensitivity, poisson_batch
 from widedp.convex.common import step as make_step
+from widedp.dp.spend import SparseVectorSpend
 from widedp.models import glm
-from widedp.spend import SparseVectorSpend
 
 
 @dataclass(frozen=True)

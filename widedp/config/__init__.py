@@ -1,0 +1,296 @@
+"""YAML -> frozen dataclasses. Unknown keys, wrong types and impossible values raise ``ConfigError`` naming the key.
+
+A training config has four sections::
+
+    data:  {preset, corpus, vocab_size, window, negatives, sample_shape, splits, seed, ...}   -> DataConfig
+    model: {dim, tied, sparse, init_scale}                                                      -> ModelConfig
+    train: {epochs, batch_size, optimizer, lr, seed, ...}                                       -> TrainConfig
+    dp:    {clip1, clip2, noise_multiplier, delta, rng, selection: {name: ..., ...}}            -> DPConfig | None
+
+``--set a.b.c=value`` overrides are applied to the raw mapping before validation (value parsed as YAML).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+# the data: section (DataConfig, VocabDPConfig, DATA_PRESETS) lives in widedp.config.data, re-exported here
+from widedp.config.data import DATA_PRESETS, PRIVACY_UNITS, DataConfig, VocabDPConfig  # noqa: F401
+from widedp.config.selection import (  # noqa: F401  (the dp.selection section lives there, re-exported here)
+    SELECTIONS,
+    AllRowsConfig,
+    ExponentialSelectionConfig,
+    GaussianThresholdSelectionConfig,
+    PreselectConfig,
+    RandomSparsificationConfig,
+    SelectionConfig,
+    SparseVectorSelectionConfig,
+    UniformSelectionConfig,
+)
+from widedp.config.tools import (
+    apply_override,
+    build,
+    expect_mapping,
+    no_unknown,
+    nonneg,
+    positive,
+    read_config_file,
+    section,
+    show,
+)
+from widedp.errors import ConfigError
+
+# ---------------------------------------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """CBOW with negative sampling.
+
+    Args:
+        dim: embedding size D.
+        tied: one table for context and output (the paper's V x D parameters) or two.
+        sparse: sparse gradients from the EmbeddingBag / Embedding (non-private SparseAdam needs it).
+        init_scale: input rows ~ U(-init_scale/D, init_scale/D) (0.5: word2vec's init); untied output rows are zeros.
+    """
+
+    kind: Literal["cbow"] = "cbow"
+    dim: int = 100
+    tied: bool = True
+    sparse: bool = True
+    init_scale: float = 0.5
+
+    def __post_init__(self) -> None:
+        positive("model.dim", self.dim)
+        positive("model.init_scale", self.init_scale)
+
+
+# ---------------------------------------------------------------------------------------------------------- train
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, logging and checkpoints.
+
+    Args:
+        epochs: passes over the train split (with DP: n/b Poisson steps per epoch).
+        batch_size: b; with DP the *expected* batch size of Poisson sampling and the fixed denominator.
+        optimizer: non-private: ``sgd`` | ``adam`` (dense) | ``sparse_adam``; DP: ``sgd`` | ``lazy_adam`` (updates
+            only selected rows' moments) | ``adam`` (dense moments, the paper's).
+        lr: learning rate. betas, eps: Adam's.
+        seed: seeds the model init (public); with ``dp.rng: reproducible`` also the batches, selection and
+            noise (then the run is NOT private).
+        device: ``auto`` (CUDA when available) | ``cpu`` | ``cuda`` | ``cuda:N``.
+        threads: torch intra-op threads (0 = leave torch's default).
+        log_every: steps between logged statistics. checkpoint_every: steps between checkpoints (0 = only at the
+            end and at epoch ends). eval_batch_size: batch size of validation/test loss evaluation.
+        max_steps: stop after this many steps in total (0 = no limit) — smoke runs.
+        eval_max_samples: evaluate on at most this many samples of valid/test (0 = all).
+        keep_best: end with the weights of the epoch with the lowest validation loss (checked at epoch ends), not
+            the last epoch's; the summary names the epoch kept.
+    """
+
+    epochs: int = 20
+    batch_size: int = 20
+    optimizer: Literal["sgd", "adam", "sparse_adam", "lazy_adam"] = "adam"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    seed: int = 0
+    device: str = "auto"
+    threads: int = 1
+    log_every: int = 1000
+    checkpoint_every: int = 0
+    eval_batch_size: int = 4096
+    max_steps: int = 0
+    eval_max_samples: int = 0
+    keep_best: bool = False
+
+    def __post_init__(self) -> None:
+        positive("train.epochs", self.epochs)
+        positive("train.batch_size", self.batch_size)
+        positive("train.lr", self.lr)
+        positive("train.log_every", self.log_every)
+        positive("train.eval_batch_size", self.eval_batch_size)
+        nonneg("train.checkpoint_every", self.checkpoint_every)
+        nonneg("train.max_steps", self.max_steps)
+        nonneg("train.threads", self.threads)
+        nonneg("train.eval_max_samples", self.eval_max_samples)
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"train.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+
+# ------------------------------------------------------------------------------------------------------------- dp
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    """The DP step (paper Alg. 3) and its accounting.
+
+    Args:
+        clip1: S1, per-sample L2 clip.
+        clip2: S2, L2 clip of the selected gradient (null = no second clip).
+        noise_multiplier: sigma, relative to the sensitivity min(S1/b, 2*S2) of the selected gradient.
+        delta: the delta of the reported (epsilon, delta).
+        rng: ``secure`` (default: sampling, selection and noise seeded from the OS CSPRNG, seeds kept only in
+            RUN/private/) | ``reproducible`` (derived from train.seed, for tests and debugging: NOT private).
+        accountant: ``pld`` (headline) | ``rdp``. (``paper``, the paper's Theorem 3, is refused: not a valid bound;
+            ``widedp epsilon`` shows its figure as a labelled reference.)
+        target_epsilon: stop training before the spent epsilon would exceed it (and calibrate, see ``calibrate``).
+        calibrate: with target_epsilon: ``none`` | ``noise_multiplier`` (solve sigma) | ``selection_epsilon``
+            (solve the selection's epsilon; for ``gaussian_threshold`` its sigma).
+        selection: the row-selection mechanism, ``{name: exponential | sparse_vector | uniform |
+            random_sparsification | all | gaussian_threshold, ...}``.
+        preselect: optional one-shot DP pre-selection of rows before the first step (``PreselectConfig``;
+            charged once); every step's selection then ranges over the pre-selected rows only.
+        engine: ``widedp`` (our step) | ``opacus`` (Opacus' PrivacyEngine on an equivalent nn.Embedding CBOW — the
+            DP-SGD baseline; needs ``selection: {name: all}``).
+    """
+
+    clip1: float = 15.0
+    clip2: float | None = 1.0
+    noise_multiplier: float = 0.5
+    delta: float = 1e-5
+    rng: Literal["secure", "reproducible"] = "secure"
+    accountant: Literal["pld", "rdp", "paper"] = "pld"  # "paper" only to refuse it with its reason (__post_init__)
+    target_epsilon: float | None = None
+    calibrate: Literal["none", "noise_multiplier", "selection_epsilon"] = "none"
+    selection: SelectionConfig = field(default_factory=ExponentialSelectionConfig)
+    engine: Literal["widedp", "opacus"] = "widedp"
+    preselect: PreselectConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.engine == "opacus" and self.selection.name != "all":
+            raise ConfigError(
+                f"dp.engine: opacus runs DP-SGD only (dp.selection.name: all), not {self.selection.name!r}"
+            )
+        if self.accountant == "paper":
+            raise ConfigError("dp.accountant: paper (the paper's Theorem 3) is not a valid DP bound (it under-reports, "
+                              "e.g. q=0.01, T=1, sigma=0.2: 5.8 vs a true eps >= 22.6) and cannot drive a run; use pld "
+                              "or rdp. Its figure is shown, labelled, as paper_theorem3_reference_NOT_A_BOUND in "
+                              "`widedp epsilon CONFIG --set dp.accountant=pld`")
+        positive("dp.clip1", self.clip1)
+        if self.clip2 is not None:
+            positive("dp.clip2", self.clip2)
+        positive("dp.noise_multiplier", self.noise_multiplier)
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"dp.delta: must be in (0, 1), got {self.delta}")
+        if self.target_epsilon is not None:
+            positive("dp.target_epsilon", self.target_epsilon)
+        if self.calibrate != "none" and self.target_epsilon is None:
+            raise ConfigError("dp.calibrate: needs dp.target_epsilon")
+        if self.calibrate == "selection_epsilon" and not isinstance(
+            self.selection, (ExponentialSelectionConfig, SparseVectorSelectionConfig, GaussianThresholdSelectionConfig)
+        ):
+            raise ConfigError(
+                f"dp.calibrate: selection_epsilon needs a data-dependent selection, not {self.selection.name!r}"
+            )
+
+
+# --------------------------------------------------------------------------------------------------------- top
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole config. ``task`` picks the data/model sections' types (and, for some tasks, an ``algorithm``
+    section): ``cbow`` (this module), or a task module named in ``TASK_MODULES``."""
+
+    data: Any = field(default_factory=DataConfig)
+    model: Any = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dp: DPConfig | None = None
+    task: str = "cbow"
+    algorithm: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON/YAML-able mapping (tuples as lists) that ``config_from_dict`` reads back."""
+        d = json.loads(json.dumps(dataclasses.asdict(self)))
+        if d["algorithm"] is None:
+            del d["algorithm"]
+        return d
+
+    def hash(self) -> str:
+        d = self.to_dict()
+        view = getattr(type(self.data), "hash_view", None)  # data keys added later hash only when set
+        if view is not None:
+            d["data"] = view(d["data"])
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (UTF-8, no repeated keys), apply ``key.path=value`` overrides, and validate it."""
+    raw = read_config_file(path)
+    for ov in overrides:
+        apply_override(raw, ov)
+    return config_from_dict(raw)
+
+
+#: Tasks other than CBOW: module path -> a module exposing DATA_CONFIG, MODEL_CONFIG (dataclasses), DATA_PRESETS
+#: (dict, may be empty; applied when data.preset names one) and optionally ALGORITHM_CONFIG (an ``algorithm:``
+#: section). Imported only when a config names the task.
+TASK_MODULES: dict[str, str] = {
+    "recsys": "widedp.config.recsys",
+    "glm": "widedp.config.glm",
+}
+
+
+def _task_types(task: Any) -> tuple[type, type, dict[str, dict[str, Any]], type | None]:
+    if task == "cbow":
+        return DataConfig, ModelConfig, DATA_PRESETS, None
+    if not isinstance(task, str) or task not in TASK_MODULES:
+        raise ConfigError(f"task: expected one of cbow, {', '.join(TASK_MODULES)}, got {show(task)}")
+    import importlib
+
+    mod = importlib.import_module(TASK_MODULES[task])
+    return mod.DATA_CONFIG, mod.MODEL_CONFIG, mod.DATA_PRESETS, getattr(mod, "ALGORITHM_CONFIG", None)
+
+
+def _dp_config(dp_raw: Any) -> DPConfig | None:
+    """The ``dp:`` section; null = non-private (as ``Config.to_dict`` writes it; a file's ``dp:`` given no value at
+    all, its keys commented out, is refused by ``read_config_file``)."""
+    if dp_raw is None:
+        return None
+    expect_mapping("dp", dp_raw)
+    dp_raw = dict(dp_raw)
+    if "secure_rng" in dp_raw:
+        raise ConfigError("dp.secure_rng: removed; the randomness is secret by default "
+                          "(dp.rng: reproducible asks for a seeded, NOT private run)")
+    sel_raw = dp_raw.pop("selection", {"name": "exponential"})
+    if sel_raw is None:
+        raise ConfigError(f"dp.selection: is present but empty; give its name ({' | '.join(SELECTIONS)}) and keys")
+    expect_mapping("dp.selection", sel_raw)
+    name = sel_raw.get("name")
+    if not isinstance(name, str) or name not in SELECTIONS:
+        raise ConfigError(f"dp.selection.name: expected one of {', '.join(SELECTIONS)}, got {show(name)}")
+    pre_raw = dp_raw.pop("preselect", None)
+    preselect = None if pre_raw is None else build("dp.preselect", PreselectConfig, pre_raw)
+    return build("dp", DPConfig, dp_raw, selection=build("dp.selection", SELECTIONS[name], sel_raw),
+                 preselect=preselect)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Validate a raw config mapping (as read from YAML); anything wrong is a one-line ``ConfigError``."""
+    expect_mapping("config", raw)
+    task = raw.get("task", "cbow")
+    data_cls, model_cls, presets, algo_cls = _task_types(task)
+    sections = {"task", "data", "model", "train", "dp"} | ({"algorithm"} if algo_cls else set())
+    no_unknown("", raw, sections)
+    data_raw = section(raw, "data")
+    if presets:
+        preset = data_raw.get("preset", next(iter(presets)))
+        if not isinstance(preset, str) or preset not in presets:
+            raise ConfigError(f"data.preset: unknown preset {show(preset)} (expected one of {', '.join(presets)})")
+        data_raw = {**presets[preset], **data_raw}
+    return Config(
+        data=build("data", data_cls, data_raw),
+        model=build("model", model_cls, section(raw, "model")),
+        train=build("train", TrainConfig, section(raw, "train")),
+        dp=_dp_config(raw.get("dp")),
+        task=task,
+        algorithm=build("algorithm", algo_cls, section(raw, "algorithm")) if algo_cls else None,
+    )

@@ -1,0 +1,142 @@
+"""The ``data:`` section of the CBOW task (``widedp.config`` re-exports everything here): text preprocessing, the
+privacy unit and the vocabulary (issue 11)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from widedp.config.tools import check_splits, data_cache_key, nonneg, positive
+from widedp.errors import ConfigError
+
+#: Named preprocessing presets; explicit keys in ``data:`` override them.
+DATA_PRESETS: dict[str, dict[str, Any]] = {
+    # The paper's Sec. 6 setting: V=1000, window 4, 8 negatives, 200K/100K/200K (target, context) pairs.
+    "paper": {"corpus": "brown", "vocab_size": 1000, "window": 4, "negatives": 8, "sample_shape": "pair",
+              "splits": [200_000, 100_000, 200_000]},
+    # The whole Brown corpus with V=10,000 (splits: every sample, 60/20/20 by fraction).
+    "brown_10k": {"corpus": "brown", "vocab_size": 10_000, "window": 4, "negatives": 8, "sample_shape": "pair",
+                  "splits": [0.6, 0.2, 0.2]},
+    "custom": {},
+}
+
+
+#: ``data.privacy_unit`` values of the CBOW task.
+PRIVACY_UNITS = ("pair", "sentence", "document")
+
+
+@dataclass(frozen=True)
+class VocabDPConfig:
+    """``data.vocab_dp``: the DP vocabulary (``data.vocabulary: dp``; ``widedp.dp.vocab``).
+
+    Each unit (sentence or document of the corpus) keeps its first ``max_words_per_unit`` distinct words (order of
+    first appearance) and adds 1/sqrt(n_u) to each of its n_u kept words' counts (l2 sensitivity 1); N(0, sigma²)
+    is added to every word's count; the words above the threshold tau (solved so that a word only one unit has is
+    released with probability <= ``delta``) are candidates and the top ``data.vocab_size`` of them are kept.
+
+    Args:
+        max_words_per_unit: k, distinct words one unit contributes to at most.
+        noise_multiplier: sigma, the std of the count noise (the sensitivity is 1).
+        delta: delta_tau, the threshold's share of the run's dp.delta (must be below it).
+    """
+
+    max_words_per_unit: int = 32
+    noise_multiplier: float = 4.0
+    delta: float = 1e-6
+
+    def __post_init__(self) -> None:
+        positive("data.vocab_dp.max_words_per_unit", self.max_words_per_unit)
+        positive("data.vocab_dp.noise_multiplier", self.noise_multiplier)
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"data.vocab_dp.delta: must be in (0, 1), got {self.delta}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Preprocessing of a text corpus into CBOW samples.
+
+    Args:
+        preset: ``paper`` | ``brown_10k`` | ``custom``; the preset fills keys the config leaves out.
+        corpus: ``brown`` | ``text:PATH`` (a local UTF-8 file, one document or sentence per line) |
+            ``hf:NAME[:CONFIG]`` (a Hugging Face ``datasets`` text dataset; see ``hf_split`` / ``hf_column``).
+        vocab_size: V, the number of most frequent words kept (after stop-word removal).
+        window: context window; the context of a target is the ``window`` nearest in-vocabulary words on each side,
+            within its sentence (979,216 pairs on Brown with the paper preset).
+        negatives: negative samples per sample, drawn from unigram^0.75, never equal to the target.
+        sample_shape: ``pair`` (target + one context word, the paper's) or ``bag`` (target + its whole window).
+        splits: sizes of train / valid / test: integers (samples) or fractions of all samples summing to <= 1.
+        seed: seed of the shuffle and of the negatives.
+        lowercase, alpha_only, remove_stopwords: token filters (the paper: all true).
+        max_sentences: keep only the first N sentences (0 = all) — for smoke tests.
+        cache_dir: where prepared id arrays are cached (keyed by these parameters); "" turns caching off.
+        privacy_unit: what one DP guarantee protects: ``pair`` (one sample) | ``sentence`` | ``document`` (Brown:
+            a source file; ``text:``: a block of lines between blank lines; ``hf:``: a row). With a unit other than
+            ``pair``, DP training Poisson-samples units (train.batch_size = the expected number of UNITS per batch),
+            every drawn unit brings all its train samples, and each unit's summed gradient is clipped at S1.
+        max_samples_per_unit: m, a unit keeps only its first m train samples in corpus order (target position, then
+            context position): a rule applied to each unit alone. Part of the statement ("≤ m pairs").
+        vocabulary: ``private_top`` (the top-V words of the corpus: NOT private; a warning, and every statement says
+            so) | ``dp`` (DP partition selection, ``vocab_dp``; needs a sentence or document unit) | ``file:PATH``
+            (a public list, one word per line, optionally ``word count``; without counts the negatives follow a Zipf
+            law over the file's order, p(rank r) ∝ 1/r, before the usual ^0.75).
+        vocab_dp: the DP vocabulary's parameters (``VocabDPConfig``).
+    """
+
+    preset: Literal["paper", "brown_10k", "custom"] = "paper"
+    corpus: str = "brown"
+    vocab_size: int = 1000
+    window: int = 4
+    negatives: int = 8
+    sample_shape: Literal["pair", "bag"] = "pair"
+    splits: tuple[float, ...] = (200_000, 100_000, 200_000)
+    seed: int = 0
+    lowercase: bool = True
+    alpha_only: bool = True
+    remove_stopwords: bool = True
+    max_sentences: int = 0
+    hf_split: str = "train"
+    hf_column: str = "text"
+    cache_dir: str = ".cache/widedp"
+    privacy_unit: Literal["pair", "sentence", "document"] = "pair"
+    max_samples_per_unit: int = 32
+    vocabulary: str = "private_top"
+    vocab_dp: VocabDPConfig = field(default_factory=VocabDPConfig)
+
+    def __post_init__(self) -> None:
+        positive("data.vocab_size", self.vocab_size)
+        positive("data.max_samples_per_unit", self.max_samples_per_unit)
+        if not (self.vocabulary in ("private_top", "dp") or self.vocabulary.startswith("file:")):
+            raise ConfigError(f"data.vocabulary: expected private_top, dp or file:PATH, got {self.vocabulary!r}")
+        if self.vocabulary.startswith("file:") and not Path(self.vocabulary[5:]).expanduser().is_file():
+            raise ConfigError(f"data.vocabulary: file not found: {self.vocabulary[5:]}")
+        if self.vocabulary == "dp" and self.privacy_unit == "pair":
+            raise ConfigError("data.vocabulary: dp counts words per sentence or document; it needs "
+                              "data.privacy_unit: sentence or document (a pair is not a unit of the corpus)")
+        positive("data.window", self.window)
+        nonneg("data.negatives", self.negatives)
+        nonneg("data.max_sentences", self.max_sentences)
+        check_splits(self.splits)
+        if not (self.corpus == "brown" or self.corpus.startswith(("text:", "hf:"))):
+            raise ConfigError(f"data.corpus: expected 'brown', 'text:PATH' or 'hf:NAME', got {self.corpus!r}")
+        if self.corpus.startswith("text:") and not Path(self.corpus[5:]).expanduser().is_file():
+            raise ConfigError(f"data.corpus: file not found: {self.corpus[5:]}")
+
+    def cache_key(self) -> str:
+        """Hash of every parameter that changes the prepared arrays (not where they are cached, nor the privacy
+        unit or the DP vocabulary's parameters: a DP vocabulary's arrays are never cached)."""
+        unit = self.privacy_unit if self.vocabulary == "dp" else "pair"  # (dp with pair units is refused)
+        plain = dataclasses.replace(self, privacy_unit=unit, max_samples_per_unit=32, vocab_dp=VocabDPConfig())
+        key = data_cache_key(plain, self.corpus[5:] if self.corpus.startswith("text:") else None)
+        if self.vocabulary.startswith("file:"):
+            key = data_cache_key(plain, self.vocabulary[5:]) + key
+        return key
+
+    @staticmethod
+    def hash_view(d: dict[str, Any]) -> dict[str, Any]:
+        """``d`` (this section as a dict) without the issue-11 keys left at their defaults, so that runs recorded
+        before those keys existed keep their config hash (resume, ``widedp compare``'s reuse)."""
+        defaults = {"privacy_unit": "pair", "max_samples_per_unit": 32, "vocabulary": "private_top",
+                    "vocab_dp": dataclasses.asdict(VocabDPConfig())}
+        return {k: v for k, v in d.items() if not (k in defaults and v == defaults[k])}

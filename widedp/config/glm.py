@@ -1,0 +1,228 @@
+"""Config sections of the ``glm`` task (Brown category classification with a convex GLM): ``data:``, ``model:``,
+``algorithm:``. Read by ``widedp.config`` through ``TASK_MODULES["glm"]``.
+
+A glm config::
+
+    task: glm
+    data: {preset: brown_glm, chunk_tokens: 100, vocab_size: 2000, norm: l2, ...}        -> GLMDataConfig
+    model: {dtype: float32}                                                                -> GLMModelConfig
+    train: {seed: 0, threads: 1, device: cpu}      (only seed, threads, device, log_every are used)
+    algorithm: {name: dp_agd | frank_wolfe | output_perturbation | sparse_mean_gd | numeric_sparse | dpsgd |
+                nonprivate, epsilon: 1.0, delta: 1e-5, ...}                               -> GLMAlgorithmConfig
+
+There is no ``dp:`` section: each algorithm's privacy parameters live in ``algorithm:``. Algorithm-specific keys
+default to null, meaning "the algorithm's default" (``ALGORITHM_DEFAULTS``); setting a key another algorithm owns is
+an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from widedp.config.tools import data_cache_key
+from widedp.errors import ConfigError
+
+DATA_PRESETS: dict[str, dict[str, Any]] = {
+    # Brown, 100-token chunks of the filtered text, V=2000 (train split only), log-tf, unit L2 rows, 15 categories.
+    "brown_glm": {"corpus": "brown", "chunk_tokens": 100, "vocab_size": 2000, "weighting": "log", "norm": "l2",
+                  "labels": "category", "splits": [0.6, 0.2, 0.2]},
+    "custom": {},
+}
+
+
+@dataclass(frozen=True)
+class GLMDataConfig:
+    """Documents -> sparse bag-of-words rows with a class label.
+
+    Args:
+        corpus: ``brown`` (NLTK; label = the document's category) or ``text:PATH`` (UTF-8, one document per line,
+            ``LABEL<TAB>TEXT``).
+        chunk_tokens: split each document's filtered token stream into chunks of this many tokens (one sample
+            each; the privacy unit is a chunk); 0 = one sample per document. min_chunk_tokens: shorter trailing
+            chunks are dropped.
+        vocab_size: V, the most frequent words of the TRAINING split only (ties alphabetical).
+        weighting: ``tf`` (counts) | ``log`` (log(1 + tf)) | ``binary``.
+        norm: ``l2`` (unit L2 rows: L2-Lipschitz sqrt(2), the default) | ``l1`` (unit L1 rows).
+        bias_feature: value of a constant feature appended before normalisation (0 = no bias feature).
+        labels: ``category`` (Brown's 15) | ``group`` (4 groups: press A-C, misc non-fiction D-G, learned/government
+            H/J, fiction K-R; Brown only).
+        splits: fractions (train, valid, test) of the documents of each label (stratified) or, with
+            ``split_by: chunk``, of the chunks.
+        max_docs: keep only the first N documents (0 = all) — for smoke runs.
+    """
+
+    preset: Literal["brown_glm", "custom"] = "brown_glm"
+    corpus: str = "brown"
+    chunk_tokens: int = 100
+    min_chunk_tokens: int = 50
+    vocab_size: int = 2000
+    weighting: Literal["tf", "log", "binary"] = "log"
+    norm: Literal["l2", "l1"] = "l2"
+    bias_feature: float = 1.0
+    labels: Literal["category", "group"] = "category"
+    splits: tuple[float, float, float] = (0.6, 0.2, 0.2)
+    split_by: Literal["document", "chunk"] = "document"
+    seed: int = 0
+    lowercase: bool = True
+    alpha_only: bool = True
+    remove_stopwords: bool = True
+    max_docs: int = 0
+    cache_dir: str = ".cache/widedp"
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size",):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"data.{key}: must be > 0, got {getattr(self, key)}")
+        for key in ("chunk_tokens", "min_chunk_tokens", "max_docs"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"data.{key}: must be >= 0, got {getattr(self, key)}")
+        if self.bias_feature < 0:
+            raise ConfigError(f"data.bias_feature: must be >= 0, got {self.bias_feature}")
+        if any(s < 0 for s in self.splits) or sum(self.splits) > 1 + 1e-9 or self.splits[0] <= 0:
+            raise ConfigError(f"data.splits: need fractions >= 0 summing to <= 1 with a non-empty train split, got "
+                              f"{list(self.splits)}")
+        if not (self.corpus == "brown" or self.corpus.startswith("text:")):
+            raise ConfigError(f"data.corpus: expected 'brown' or 'text:PATH', got {self.corpus!r}")
+        if self.corpus.startswith("text:") and not Path(self.corpus[5:]).expanduser().is_file():
+            raise ConfigError(f"data.corpus: file not found: {self.corpus[5:]}")
+        if self.labels == "group" and self.corpus != "brown":
+            raise ConfigError("data.labels: 'group' is defined for the Brown corpus only")
+
+    def cache_key(self) -> str:
+        """Hash of every parameter that changes the prepared arrays (not where they are cached)."""
+        return data_cache_key(self, self.corpus[5:] if self.corpus.startswith("text:") else None)
+
+
+@dataclass(frozen=True)
+class GLMModelConfig:
+    """Multinomial logistic regression W: [d, K], initialised at zero (every algorithm starts there)."""
+
+    kind: Literal["multinomial_logistic"] = "multinomial_logistic"
+    dtype: Literal["float32", "float64"] = "float32"
+
+
+ALGORITHMS = ("dp_agd", "frank_wolfe", "output_perturbation", "sparse_mean_gd", "numeric_sparse", "dpsgd",
+              "nonprivate")
+
+#: Per algorithm: its own keys and their defaults (a key listed for no algorithm is common to all).
+ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Lee & Kifer: nominal T sets the initial per-iteration budget; clip = C_grad; loss_clip = C_obj.
+    "dp_agd": {"iterations": 100, "clip": 1.0, "loss_clip": 3.0, "nmax_share": 0.1, "gamma": 0.1,
+               "step_candidates": 10, "step_max": 2.0, "step_window": 10},
+    # Polyhedral private Frank-Wolfe on the l1 ball of this radius; batch_size per iteration after the first batch.
+    "frank_wolfe": {"iterations": 200, "radius": 50.0, "step": 0.0, "noise": "laplace", "first_batch_fraction": 0.5},
+    "output_perturbation": {"l2_reg": 1e-3, "mechanism": "gaussian", "sparsity": 0, "radius": 0.0,
+                            "solver_iterations": 1000},
+    "sparse_mean_gd": {"iterations": 50, "lr": 2.0, "clip": 1.0, "batch_size": 0, "estimator": "projection",
+                       "l1_radius": 0.0, "sparsity": 0, "block_size": 256, "measurement_ratio": 0.5},
+    "numeric_sparse": {"iterations": 100, "lr": 2.0, "clip": 1.0, "batch_size": 500, "cutoff": 2000,
+                       "threshold_scale": 3.0, "release_share": 0.05},
+    "dpsgd": {"iterations": 100, "lr": 2.0, "clip": 1.0, "batch_size": 0},
+    "nonprivate": {"l2_reg": 1e-4, "solver_iterations": 2000},
+}
+_PRIVATE = tuple(a for a in ALGORITHMS if a != "nonprivate")
+
+
+@dataclass(frozen=True)
+class GLMAlgorithmConfig:
+    """One of the convex algorithms. Common: ``epsilon`` (the target eps of the whole run, required for private
+    algorithms), ``delta``, ``accountant`` (pld | rdp; the reported eps; DP-AGD always reports zCDP), ``rng``
+    (``secure``, the default: the sampling and noise seeds come from the OS CSPRNG and are kept only in
+    RUN/private/ | ``reproducible``: derived from train.seed, for tests and debugging -- the run is NOT private).
+    Specific keys (null = default):
+
+    - dp_agd: iterations (nominal T), clip (C_grad, per-sample L2), loss_clip (C_obj), nmax_share (share of a step's
+      budget spent on NoisyMax), gamma (budget growth when no step helps), step_candidates, step_max (initial
+      largest step), step_window (tau: steps between step-set updates).
+    - frank_wolfe: iterations (T), radius (l1 ball), step (constant eta; 0 = 1/sqrt(T)), noise (laplace |
+      gumbel oracle), first_batch_fraction.
+    - output_perturbation: l2_reg (lambda), mechanism (gaussian | laplace), sparsity (s of the poster's Laplace
+      formula, reported only; 0 = (chunk_tokens + 1) * K), radius (R of the feasible L2 ball X; 0 = L / lambda),
+      solver_iterations (the private solver runs at least the k* iterations that bound its residual).
+    - sparse_mean_gd: iterations, lr, clip, batch_size (0 = full batch: sensitivity 2 clip / n), estimator
+      (gaussian | projection | l1_recovery), l1_radius (0 = clip * sqrt(sparsity)), sparsity, block_size,
+      measurement_ratio (l1_recovery).
+    - numeric_sparse: iterations, lr, clip (per-sample l_inf), batch_size (expected group size; >= n: full batch,
+      sensitivity 2 clip / n), cutoff (c1),
+      threshold_scale (alpha in units of the query-noise scale), release_share (eps2 / (eps1 + eps2)).
+    - dpsgd: iterations, lr, clip, batch_size (0 = full batch: the mean over the dataset's own n, sensitivity
+      2 clip / n; else Poisson with this expected size as the fixed denominator, sensitivity clip / b).
+    - nonprivate: l2_reg, solver_iterations.
+    """
+
+    name: Literal["dp_agd", "frank_wolfe", "output_perturbation", "sparse_mean_gd", "numeric_sparse", "dpsgd",
+                  "nonprivate"] = "dpsgd"
+    epsilon: float | None = None
+    delta: float = 1e-5
+    accountant: Literal["pld", "rdp"] = "pld"
+    rng: Literal["secure", "reproducible"] = "secure"
+    iterations: int | None = None
+    lr: float | None = None
+    clip: float | None = None
+    batch_size: int | None = None
+    loss_clip: float | None = None
+    nmax_share: float | None = None
+    gamma: float | None = None
+    step_candidates: int | None = None
+    step_max: float | None = None
+    step_window: int | None = None
+    radius: float | None = None
+    step: float | None = None
+    noise: Literal["laplace", "gumbel"] | None = None
+    first_batch_fraction: float | None = None
+    l2_reg: float | None = None
+    mechanism: Literal["gaussian", "laplace"] | None = None
+    sparsity: int | None = None
+    solver_iterations: int | None = None
+    estimator: Literal["gaussian", "projection", "l1_recovery"] | None = None
+    l1_radius: float | None = None
+    block_size: int | None = None
+    measurement_ratio: float | None = None
+    cutoff: int | None = None
+    threshold_scale: float | None = None
+    release_share: float | None = None
+
+    def __post_init__(self) -> None:
+        own = ALGORITHM_DEFAULTS[self.name]
+        for f in dataclasses.fields(self):
+            if f.name in ("name", "epsilon", "delta", "accountant", "rng") or getattr(self, f.name) is None:
+                continue
+            if f.name not in own:
+                raise ConfigError(f"algorithm.{f.name}: not a key of algorithm {self.name!r} "
+                                  f"(its keys: {', '.join(sorted(own))})")
+        if self.name in _PRIVATE:
+            if self.epsilon is None or not self.epsilon > 0:
+                raise ConfigError(f"algorithm.epsilon: algorithm {self.name!r} needs a target epsilon > 0, got "
+                                  f"{self.epsilon}")
+        elif self.epsilon is not None:
+            raise ConfigError("algorithm.epsilon: the nonprivate algorithm takes no epsilon")
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"algorithm.delta: must be in (0, 1), got {self.delta}")
+        for key in ("iterations", "lr", "clip", "loss_clip", "gamma", "step_candidates", "step_max", "step_window",
+                    "l2_reg", "solver_iterations", "block_size", "cutoff", "threshold_scale"):
+            v = getattr(self, key)
+            if v is not None and not v > 0:
+                raise ConfigError(f"algorithm.{key}: must be > 0, got {v}")
+        for key in ("batch_size", "step", "sparsity", "l1_radius", "radius"):
+            v = getattr(self, key)
+            if v is not None and v < 0:
+                raise ConfigError(f"algorithm.{key}: must be >= 0, got {v}")
+        if self.name == "frank_wolfe" and self.radius == 0:
+            raise ConfigError("algorithm.radius: the l1 ball of frank_wolfe needs a radius > 0")
+        for key in ("nmax_share", "first_batch_fraction", "measurement_ratio", "release_share"):
+            v = getattr(self, key)
+            if v is not None and not 0 < v < 1:
+                raise ConfigError(f"algorithm.{key}: must be in (0, 1), got {v}")
+
+    def get(self, key: str) -> Any:
+        """The key's value, or the algorithm's default when it is null."""
+        v = getattr(self, key)
+        return ALGORITHM_DEFAULTS[self.name].get(key) if v is None else v
+
+
+DATA_CONFIG = GLMDataConfig
+MODEL_CONFIG = GLMModelConfig
+ALGORITHM_CONFIG = GLMAlgorithmConfig

@@ -1,0 +1,210 @@
+"""The ``dp.selection`` section (one frozen dataclass per mechanism, ``SELECTIONS``: name -> class) and the one-shot
+pre-selection ``dp.preselect``. ``widedp.config`` re-exports them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from widedp.config.tools import k_or_gamma, positive
+from widedp.errors import ConfigError
+
+
+def _one_threshold(section: str, threshold: float | None, threshold_sigmas: float | None) -> None:
+    if threshold is not None and threshold_sigmas is not None:
+        raise ConfigError(f"{section}: give at most one of threshold or threshold_sigmas")
+
+
+def _tau(threshold: float | None, threshold_sigmas: float | None, sigma: float) -> float:
+    if threshold is not None:
+        return threshold
+    return (1.0 if threshold_sigmas is None else threshold_sigmas) * sigma
+
+
+@dataclass(frozen=True)
+class GaussianThresholdSelectionConfig:
+    """Gaussian contribution thresholding (DP-AdaFEST-style, ℓ2-normalised contributions).
+
+    Each sample's contribution vector over rows (1/√r on each of the r rows it touched: ℓ2 norm 1) is summed over
+    the batch, N(0, sigma²) is added to every row's count (untouched rows included) and the rows whose noisy count
+    exceeds the threshold are selected. A Gaussian mechanism of ℓ2 sensitivity 1 on the step's batch: it folds into
+    the gradient noise (1/σ_eff² = 1/σ² + 1/sigma²).
+
+    Args:
+        sigma: σ_sel, the noise std in units of the count sensitivity (1).
+        threshold: τ in count units; or ``threshold_sigmas`` c: τ = c·sigma (neither: τ = sigma).
+        max_rows: at most this many rows per step: when more pass, a uniformly random subset of them (a
+            data-independent rule: post-processing, free). null = no cap.
+    """
+
+    name: Literal["gaussian_threshold"] = "gaussian_threshold"
+    sigma: float = 5.0
+    threshold: float | None = None
+    threshold_sigmas: float | None = None
+    max_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        positive("dp.selection.sigma", self.sigma)
+        _one_threshold("dp.selection", self.threshold, self.threshold_sigmas)
+        if self.max_rows is not None:
+            positive("dp.selection.max_rows", self.max_rows)
+
+    @property
+    def tau(self) -> float:
+        """τ in count units."""
+        return _tau(self.threshold, self.threshold_sigmas, self.sigma)
+
+
+@dataclass(frozen=True)
+class PreselectConfig:
+    """One-shot DP pre-selection of rows (DP-FEST): before the first step, every training sample's contribution
+    vector (ℓ2-normalised as in ``gaussian_threshold``) is summed over the WHOLE training set, N(0, sigma²) is added
+    to every row's count, and the ``rows`` largest noisy counts above the threshold are kept; the step then ranges
+    over those rows only (the others stay frozen). Charged once: a Gaussian mechanism of ℓ2 sensitivity 1 at
+    sampling rate 1.
+
+    Args:
+        rows: K, the most rows kept.
+        sigma: noise std in units of the count sensitivity (1).
+        threshold: τ in count units; or ``threshold_sigmas`` c: τ = c·sigma (neither: τ = sigma).
+    """
+
+    rows: int = 1000
+    sigma: float = 10.0
+    threshold: float | None = None
+    threshold_sigmas: float | None = None
+
+    def __post_init__(self) -> None:
+        positive("dp.preselect.rows", self.rows)
+        positive("dp.preselect.sigma", self.sigma)
+        _one_threshold("dp.preselect", self.threshold, self.threshold_sigmas)
+
+    @property
+    def tau(self) -> float:
+        return _tau(self.threshold, self.threshold_sigmas, self.sigma)
+
+
+@dataclass(frozen=True)
+class ExponentialSelectionConfig:
+    """Exponential mechanism, k picks without replacement (Gumbel top-k over ALL rows).
+
+    Args:
+        k: rows selected per step; or ``gamma``: the fraction of all rows (k = max(1, round(gamma * R))).
+        epsilon: epsilon'' of each pick.
+        score_clip: S0; a row's score is min(||g_r||_2, S0) (``score: count``: min(n_r, S0)).
+        method: ``fast`` (O(rows touched + k), order statistics for untouched rows) or ``brute`` (O(R) reference).
+        score: ``norm`` (gradient norms, sensitivity min(S0, S1/b)) or ``count`` (n_r, the number of samples that
+            touched row r: scale-free, sensitivity min(S0, 1); needs score_clip >= 1).
+    """
+
+    name: Literal["exponential"] = "exponential"
+    k: int | None = None
+    gamma: float | None = None
+    epsilon: float = 1.0
+    score_clip: float = 0.1
+    method: Literal["fast", "brute"] = "fast"
+    score: Literal["norm", "count"] = "norm"
+
+    def __post_init__(self) -> None:
+        k_or_gamma("dp.selection", self.k, self.gamma)
+        positive("dp.selection.epsilon", self.epsilon)
+        positive("dp.selection.score_clip", self.score_clip)
+        _count_clip(self.score, self.score_clip)
+
+
+def _count_clip(score: str, score_clip: float) -> None:
+    if score == "count" and score_clip < 1:
+        raise ConfigError(f"dp.selection.score_clip: caps the counts with score: count, so it must be >= 1 "
+                          f"(a count cap, e.g. the batch size), got {score_clip}")
+
+
+@dataclass(frozen=True)
+class SparseVectorSelectionConfig:
+    """Sparse vector technique (AboveThreshold with cutoff c) over ALL rows in a fresh random order.
+
+    Args:
+        epsilon: budget of one segment (one above-threshold answer); threshold_fraction of it goes to the
+            threshold noise, the rest to the query noise.
+        threshold: T, in score units (scores are min(||g_r||, S0)).
+        cutoff: c, the number of rows selected at most (each selected row ends a segment; charged c segments).
+        score_clip: S0.
+        release_values: also release u_r + Lap (NumericSparse) — costs ``epsilon_release`` per selected row.
+        method: ``fast`` (O(rows touched + c): geometric skips over the untouched rows) or ``brute`` (O(R)
+            reference); the same output law.
+        score: ``norm`` or ``count`` (as for exponential).
+    """
+
+    name: Literal["sparse_vector"] = "sparse_vector"
+    epsilon: float = 1.0
+    threshold: float = 0.05
+    cutoff: int = 1
+    threshold_fraction: float = 0.5
+    score_clip: float = 0.1
+    release_values: bool = False
+    epsilon_release: float = 0.0
+    method: Literal["fast", "brute"] = "fast"
+    score: Literal["norm", "count"] = "norm"
+
+    def __post_init__(self) -> None:
+        positive("dp.selection.epsilon", self.epsilon)
+        positive("dp.selection.cutoff", self.cutoff)
+        positive("dp.selection.score_clip", self.score_clip)
+        _count_clip(self.score, self.score_clip)
+        if not 0 < self.threshold_fraction < 1:
+            raise ConfigError(f"dp.selection.threshold_fraction: must be in (0, 1), got {self.threshold_fraction}")
+        if self.release_values and self.epsilon_release <= 0:
+            raise ConfigError("dp.selection.epsilon_release: must be > 0 when release_values is true")
+
+
+@dataclass(frozen=True)
+class UniformSelectionConfig:
+    """k rows uniformly at random (data-independent, free). k or gamma as for exponential."""
+
+    name: Literal["uniform"] = "uniform"
+    k: int | None = None
+    gamma: float | None = None
+
+    def __post_init__(self) -> None:
+        k_or_gamma("dp.selection", self.k, self.gamma)
+
+
+@dataclass(frozen=True)
+class RandomSparsificationConfig:
+    """Random sparsification (Zhu & Blaschko): one random row mask per epoch, data-independent (free).
+
+    The sparsification rate r(e) of epoch e (0-based, E epochs) is ``final_rate * e / (E - 1)`` with gradual
+    cooling, ``final_rate`` from the first epoch without; a fraction 1 - r(e) of all rows is kept.
+    """
+
+    name: Literal["random_sparsification"] = "random_sparsification"
+    final_rate: float = 0.9
+    gradual_cooling: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.final_rate < 1:
+            raise ConfigError(f"dp.selection.final_rate: must be in [0, 1), got {self.final_rate}")
+
+
+@dataclass(frozen=True)
+class AllRowsConfig:
+    """Every row selected: DP-SGD on the same model."""
+
+    name: Literal["all"] = "all"
+
+
+SelectionConfig = (
+    ExponentialSelectionConfig
+    | SparseVectorSelectionConfig
+    | UniformSelectionConfig
+    | RandomSparsificationConfig
+    | AllRowsConfig
+    | GaussianThresholdSelectionConfig
+)
+SELECTIONS: dict[str, type] = {
+    "exponential": ExponentialSelectionConfig,
+    "sparse_vector": SparseVectorSelectionConfig,
+    "uniform": UniformSelectionConfig,
+    "random_sparsification": RandomSparsificationConfig,
+    "all": AllRowsConfig,
+    "gaussian_threshold": GaussianThresholdSelectionConfig,
+}

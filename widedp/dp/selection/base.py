@@ -1,0 +1,111 @@
+"""What every row selector shares: the per-step context, the ``Selector`` protocol, and the exact sampler of
+distinct uniform row ids that keeps selection V-independent (privacy.md §2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from widedp.dp.spend import Spend
+
+#: ``sample_distinct`` draws by rejection when 4·(n + excluded) <= R (acceptance >= 3/4), else from a permutation.
+_DENSE_FACTOR = 4
+
+#: The row scores a selector reads (``widedp.dp.selection.scores``): ``none``; ``norm`` u_r = min(||ĝ_r||, S0), each
+#: row's score moves by <= min(S0, S1/b); ``count`` u_r = min(n_r, S0), n_r the number of samples that touched r,
+#: moves by <= min(S0, 1); ``contribution`` c_r = Σ_j 1[r ∈ rows_j]/√|rows_j|, the whole vector moves by <= 1 in ℓ2.
+ScoreKind = Literal["none", "norm", "count", "contribution"]
+
+
+@dataclass(frozen=True)
+class SelectionContext:
+    """Data-independent per-step information (random sparsification needs the epoch)."""
+
+    epoch: int
+    num_epochs: int
+
+
+class Selector(Protocol):
+    """A row-selection mechanism.
+
+    ``score_kind`` names the scores it reads (``ScoreKind``; the step computes only those and passes an empty
+    ``scores`` for ``none``); ``score_clip`` is S0 for ``norm`` / ``count`` scores, else ``None``.
+    """
+
+    score_kind: ScoreKind
+    score_clip: float | None
+
+    def select(
+        self,
+        touched: Tensor,
+        scores: Tensor,
+        *,
+        num_rows: int,
+        score_sensitivity: float,
+        ctx: SelectionContext,
+        generator: torch.Generator,
+    ) -> tuple[Tensor, Spend]:
+        """touched: [U] sorted unique ids; scores: [U] (or empty, see above); score_sensitivity: how far one sample
+        moves them (per row for ``norm`` / ``count``, ℓ2 over all rows for ``contribution``).
+
+        Returns [k] distinct int64 row ids on ``touched.device`` and the mechanism's ``Spend``.
+        """
+        ...
+
+
+def sample_distinct(
+    n: int, num_rows: int, *, exclude: Tensor, generator: torch.Generator, device: Any
+) -> Tensor:
+    """[n] distinct ids uniform on [0, R) \\ exclude, in uniformly random order; O(n + |exclude|) when sparse.
+
+    Args:
+        exclude: [U] sorted unique int64 ids that must not be drawn.
+
+    Sparse case: i.i.d. uniform draws, keep the first occurrence of each non-excluded id in draw order; each new
+    kept id is uniform over the ids not yet kept, so the first n kept form a uniform ordered sample (exact).
+    """
+    u = exclude.numel()
+    if n > num_rows - u:
+        raise ValueError(f"cannot draw {n} distinct rows out of {num_rows - u}")
+    if n == 0:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    if n == 1:  # the first non-excluded draw
+        while True:
+            cand = torch.randint(num_rows, (8,), generator=generator, device=device)
+            if not u:
+                return cand[:1]
+            ok = (~member(cand, exclude)).to(torch.uint8)
+            i = int(ok.argmax())
+            if ok[i]:
+                return cand[i : i + 1]
+    if _DENSE_FACTOR * (n + u) > num_rows:
+        perm = torch.randperm(num_rows, generator=generator, device=device)
+        if u:
+            perm = perm[~member(perm, exclude)]
+        return perm[:n]
+    chunk = (3 * n) // 2 + 16  # expected >= 9n/8 + 12 kept
+    cand = torch.randint(num_rows, (chunk,), generator=generator, device=device)
+    while True:
+        vals = cand.masked_fill(member(cand, exclude), num_rows) if u else cand  # rejected -> sentinel R
+        sv, order = torch.sort(vals, stable=True)
+        first = torch.ones_like(sv, dtype=torch.bool)
+        first[1:] = sv[1:] != sv[:-1]
+        first &= sv < num_rows
+        pos = order[first]  # draw positions of first occurrences (stable sort: the earliest)
+        if pos.numel() >= n:
+            return cand.index_select(0, pos.sort().values[:n])
+        cand = torch.cat([cand, torch.randint(num_rows, (chunk,), generator=generator, device=device)])
+
+
+def member(x: Tensor, sorted_set: Tensor) -> Tensor:
+    """[len(x)] bool: x_i in sorted_set (non-empty, sorted)."""
+    pos = torch.searchsorted(sorted_set, x).clamp_(max=sorted_set.numel() - 1)
+    return sorted_set.index_select(0, pos) == x
+
+
+def dense_scores(touched: Tensor, scores: Tensor, num_rows: int) -> Tensor:
+    """[R] scores of all rows (0 where untouched) — O(R): brute-force references only."""
+    return scores.new_zeros(num_rows).index_copy_(0, touched, scores)

@@ -1,0 +1,95 @@
+"""Gaussian contribution thresholding (issue 13; DP-AdaFEST / TF Privacy's sparsity_preserving_noise, with
+ℓ2-normalised contributions) and its exact V-independent sampler of false positives.
+
+The mechanism, on the step's batch: c = Σ_j c_j with c_j the ℓ2-normalised indicator of the rows sample j touched
+(``widedp.dp.selection.scores``, ℓ2 sensitivity 1); release M = {r : c_r + Z_r > τ}, Z_r ~ N(0, σ_sel²) i.i.d. over
+ALL R rows. M is post-processing of the Gaussian mechanism c + Z (sensitivity 1, noise σ_sel), so the selection is
+charged ``GaussianSelectionSpend(σ_sel)``, which the accountant folds with the gradient noise of the same step:
+1/σ_eff² = 1/σ² + 1/σ_sel² (``widedp.accounting.parts``).
+
+V-independence, exactly: an untouched row has c_r = 0, so it is selected with probability p_τ = P(N(0, σ_sel²) > τ)
+independently of every other row. The set of untouched rows selected is therefore a uniformly random subset of the
+m = R − U untouched rows whose size is Binomial(m, p_τ): draw the size, then that many distinct uniform untouched ids
+(``sample_distinct``). They need no noisy value (only selected). Cost O(U + m·p_τ), whatever R.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from widedp.dp.noise import gaussian_noise
+from widedp.dp.selection.base import ScoreKind, SelectionContext, sample_distinct
+from widedp.dp.spend import GaussianSelectionSpend, Spend
+
+
+def tail_probability(threshold: float, std: float) -> float:
+    """P(N(0, std²) > threshold) (accurate far into the tail)."""
+    return 0.5 * math.erfc(threshold / (std * math.sqrt(2.0)))
+
+
+def false_positives(num_untouched: int, p: float, num_rows: int, *, exclude: Tensor, generator: torch.Generator,
+                    device: torch.device) -> Tensor:
+    """The untouched rows a threshold selects when each passes independently with probability ``p``: a uniformly
+    random subset of [0, R) \\ exclude of size Binomial(R − |exclude|, p), in random order. O(|exclude| + size).
+
+    Args:
+        num_untouched: R − |exclude| (the binomial's count; may exceed 2^53 only at the cost of float rounding).
+        exclude: [U] sorted unique ids (the touched rows).
+    """
+    if num_untouched <= 0 or p <= 0.0:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    f64 = torch.float64
+    n = torch.binomial(torch.tensor([float(num_untouched)], dtype=f64, device=device),
+                       torch.tensor([min(p, 1.0)], dtype=f64, device=device), generator=generator)
+    count = min(int(n.item()), num_untouched)
+    return sample_distinct(count, num_rows, exclude=exclude, generator=generator, device=device)
+
+
+def threshold_rows(touched: Tensor, counts: Tensor, *, num_rows: int, std: float, threshold: float,
+                   generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """Noisy counts > threshold over ALL rows: (touched rows selected, their noisy counts, untouched rows selected).
+
+    The touched rows get N(0, std²) on their counts; the untouched ones (count 0) are ``false_positives``.
+    """
+    noisy = counts + gaussian_noise(counts.shape, std=std, generator=generator, device=counts.device,
+                                    dtype=counts.dtype)
+    hit = noisy > threshold
+    fp = false_positives(num_rows - touched.numel(), tail_probability(threshold, std), num_rows, exclude=touched,
+                         generator=generator, device=touched.device)
+    return touched[hit], noisy[hit], fp
+
+
+@dataclass(frozen=True)
+class GaussianThresholdSelector:
+    """Rows whose contribution count plus N(0, (σ_sel·Δ)²) exceeds τ (Δ = 1, the ℓ2 sensitivity of the counts);
+    charged ``GaussianSelectionSpend(σ_sel)``. ``max_rows``: when more rows pass, a uniformly random subset of
+    them (data-independent given the passing set: post-processing, free). Returns touched hits, then false
+    positives (the order carries no information beyond the set: false positives are random ids)."""
+
+    sigma: float
+    threshold: float
+    max_rows: int | None = None
+    score_kind: ScoreKind = "contribution"
+    score_clip: float | None = None  # contribution counts are not clipped: their ℓ2 sensitivity is 1
+
+    def select(
+        self,
+        touched: Tensor,
+        scores: Tensor,
+        *,
+        num_rows: int,
+        score_sensitivity: float,
+        ctx: SelectionContext,
+        generator: torch.Generator,
+    ) -> tuple[Tensor, Spend]:
+        hits, _, fp = threshold_rows(touched, scores, num_rows=num_rows, std=self.sigma * score_sensitivity,
+                                     threshold=self.threshold, generator=generator)
+        sel = torch.cat([hits, fp])
+        if self.max_rows is not None and sel.numel() > self.max_rows:
+            keep = torch.randperm(sel.numel(), generator=generator, device=sel.device)[: self.max_rows]
+            sel = sel.index_select(0, keep)
+        return sel, GaussianSelectionSpend(noise_multiplier=self.sigma, sensitivity=score_sensitivity)

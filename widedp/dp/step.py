@@ -1,0 +1,115 @@
+"""The DP step at embedding-row level (paper Alg. 3; privacy.md §1): per-sample rows in, noisy selected rows out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from widedp.dp.clipping import aggregate, clip_l2, clip_per_sample, restrict
+from widedp.dp.noise import gaussian_noise, sensitivity
+from widedp.dp.rowgrads import PerSampleRows, SparseRows
+from widedp.dp.selection import SelectionContext, Selector
+from widedp.dp.selection.scores import selection_scores
+from widedp.dp.spend import GaussianSpend, StepSpend
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Diagnostics of one step, kept as 0-dim tensors (no host sync in the step); ``as_floats`` for logging.
+
+    rows_selected: k. touched_share: share of the selected rows the batch touched. clipped1: fraction of samples
+    clipped at S1. clipped2: was Δ̂ clipped at S2. nonfinite: number of samples whose gradient had a NaN or an inf
+    and so contributed zero. Nothing here is computed from the noise: the noise's norm together with one released
+    value tells membership apart (issue 16), so it is neither computed nor logged.
+    """
+
+    rows_selected: int
+    touched_share: Tensor
+    clipped1: Tensor
+    clipped2: Tensor
+    nonfinite: Tensor
+
+    def as_floats(self) -> dict[str, float]:
+        return {
+            "rows_selected": float(self.rows_selected),
+            "touched_share": float(self.touched_share),
+            "clipped1": float(self.clipped1),
+            "clipped2": float(self.clipped2),
+            "nonfinite": float(self.nonfinite),
+        }
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """grad: the noisy gradient on the selected rows only; selected: [k] their ids; spend: what the step spent."""
+
+    grad: SparseRows
+    selected: Tensor
+    spend: StepSpend
+    stats: StepStats
+
+
+def dp_step(
+    g: PerSampleRows,
+    *,
+    batch_size: float,
+    sampling_rate: float,
+    clip1: float,
+    clip2: float | None,
+    noise_multiplier: float,
+    selector: Selector,
+    ctx: SelectionContext,
+    generator: torch.Generator,
+    always_rows: int | None = None,
+) -> StepResult:
+    """One DP step on a Poisson(q) batch of per-sample row gradients (B may be 0).
+
+    clip each sample at S1 (a sample with a NaN or an inf contributes zero) -> ĝ = (1/b) Σ_j (b the expected
+    batch size) -> the selector's scores (``selector.score_kind``: u_r = min(||ĝ_r||, S0) with Δu = min(S0, S1/b),
+    sample counts, or ℓ2-normalised contribution counts with ℓ2 sensitivity 1; ``widedp.dp.selection.scores``) ->
+    select rows M among ALL R rows -> Δ̂ = clip_S2(M ⊙ ĝ) -> + N(0, (σΔ₂)²) on every coordinate of every selected
+    row, Δ₂ = min(S1/b, 2·S2). The spend: the Gaussian noise and whatever the selector states it spent, on the same
+    Poisson(q) batch (composed jointly by the accountant). ``g``'s samples may be privacy units (a unit's rows
+    merged): every sensitivity is per input sample.
+
+    ``always_rows`` A (default: ``g.always_rows`` when ``g`` carries one, e.g. a recommender's dense MLP stored as
+    rows, else 0): the last A rows [R − A, R) are selected every step besides the mechanism's picks, and the
+    mechanism ranges over [0, R − A) only. Their inclusion is data-independent, so it spends no selection budget;
+    they are still part of each sample's S1 clip, of Δ̂'s S2 clip and get the same N(0, (σΔ₂)²) noise, so Δ₂ and
+    the spend are unchanged. A = 0 is exactly the step without this option.
+    """
+    n_always = getattr(g, "always_rows", 0) if always_rows is None else always_rows
+    clipped, clip = clip_per_sample(g, clip1=clip1)  # nothing non-finite from here on
+    touched, ghat = aggregate(clipped, batch_size=batch_size)  # [U], [U, D]
+    sel_rows, sel_touched, sel_ghat = g.num_rows - n_always, touched, ghat
+    if n_always:
+        u = int(torch.searchsorted(touched, sel_rows))  # touched is sorted: the selectable ones come first
+        sel_touched, sel_ghat = touched[:u], ghat[:u]
+
+    scores, score_sens = selection_scores(selector.score_kind, g, sel_touched, sel_ghat, score_clip=selector.score_clip,
+                                          clip1=clip1, batch_size=batch_size)
+    selected, selection_spend = selector.select(
+        sel_touched, scores, num_rows=sel_rows, score_sensitivity=score_sens, ctx=ctx, generator=generator
+    )
+    if n_always:
+        selected = torch.cat([selected, torch.arange(sel_rows, g.num_rows, device=selected.device)])
+
+    delta, hit = restrict(touched, ghat, selected)  # [k, D]; zeros on selected rows the batch did not touch
+    delta, clipped2 = clip_l2(delta, clip=clip2)
+    d2 = sensitivity(clip1=clip1, clip2=clip2, batch_size=batch_size)
+    noise = gaussian_noise(
+        delta.shape, std=noise_multiplier * d2, generator=generator, device=delta.device, dtype=delta.dtype
+    )
+
+    k, b = selected.numel(), g.batch_size
+    stats = StepStats(
+        rows_selected=k,
+        touched_share=hit.sum() / max(k, 1),
+        clipped1=clip.clipped.sum() / max(b, 1),
+        clipped2=clipped2,
+        nonfinite=clip.nonfinite.sum(),
+    )
+    spend = StepSpend(sampling_rate, (GaussianSpend(noise_multiplier, d2), selection_spend))
+    return StepResult(SparseRows(selected, delta + noise, g.num_rows), selected, spend, stats)

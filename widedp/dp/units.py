@@ -1,0 +1,156 @@
+"""Privacy units (issue 11): a sentence, a document or a user protected as a whole, not one sample.
+
+A training split's samples are grouped into units, jagged::
+
+    unit u:      0              1         2
+    samples:   [12, 40, 7]    [3]       [19, 5]       indices into the split, in corpus order, at most m per unit
+    offsets:   [0,            3,        4,       6]   unit u owns samples[offsets[u]:offsets[u+1]]
+
+A unit keeps only its first m samples by a per-record key (CBOW: corpus order, target position then context
+position; recsys: the interaction's index in the train split): a rule applied to each unit alone, so adding or
+removing one unit changes no other unit's samples. With DP, Poisson sampling draws UNITS (q = b / N units, b =
+``train.batch_size`` the expected number of units per batch); a drawn unit brings all its kept samples; the
+per-sample row gradients of a batch are summed per unit (``group_rows``) BEFORE ``widedp.dp.step.dp_step``, which
+then clips each unit's summed gradient at S1 and works in units exactly as it does in samples: the sensitivity
+min(S1/b, 2·S2), the selection's score sensitivity and the accountant's q are all per unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from widedp.dp.rowgrads import PerSampleRows, coalesce
+from widedp.dp.sampling import PoissonSampler
+from widedp.errors import ConfigError
+
+#: privacy unit -> what one of its samples is called in a statement ("sentence (≤ 32 pairs)").
+SAMPLE_NOUN = {"cbow": {"pair": "pairs", "bag": "samples"}, "recsys": "interactions"}
+
+
+@dataclass(frozen=True)
+class Units:
+    """A split's samples grouped into units (module docstring).
+
+    Attributes:
+        samples: [S] int64 sample indices, unit by unit, each unit's in key order (S = kept samples).
+        offsets: [N + 1] int64, unit u owns samples[offsets[u]:offsets[u+1]] (every unit has >= 1 sample).
+        cap: m, the most samples a unit keeps. dropped: samples beyond the cap (never trained on).
+    """
+
+    samples: Tensor
+    offsets: Tensor
+    cap: int
+    dropped: int
+
+    @property
+    def num_units(self) -> int:
+        return self.offsets.numel() - 1
+
+    def lengths(self) -> Tensor:
+        """[N] samples kept per unit."""
+        return self.offsets.diff()
+
+
+def group_units(unit_of: np.ndarray, key: np.ndarray, *, cap: int, device: torch.device | str = "cpu") -> Units:
+    """Group samples by ``unit_of`` [n] (any ids), each unit's samples sorted by ``key`` [n] and cut to the first
+    ``cap``. Units are numbered by increasing id."""
+    if cap < 1:
+        raise ConfigError(f"data.max_samples_per_unit: must be >= 1, got {cap}")
+    unit_of, key = np.asarray(unit_of, dtype=np.int64), np.asarray(key, dtype=np.int64)
+    order = np.lexsort((key, unit_of))  # by unit, then key
+    u = unit_of[order]
+    first = np.r_[True, u[1:] != u[:-1]] if len(u) else np.zeros(0, bool)
+    starts = np.flatnonzero(first)
+    rank = np.arange(len(u)) - np.repeat(starts, np.diff(np.r_[starts, len(u)]))
+    keep = rank < cap
+    kept_u = u[keep]
+    lengths = np.bincount(np.cumsum(first)[keep] - 1, minlength=len(starts))
+    offsets = np.zeros(len(starts) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    assert len(kept_u) == offsets[-1]
+    return Units(torch.as_tensor(order[keep], device=device), torch.as_tensor(offsets, device=device), cap,
+                 int((~keep).sum()))
+
+
+@dataclass(frozen=True)
+class UnitBatch:
+    """One step's units. samples: [S] split indices; segment: [S] the batch-local unit (0..num_units-1) of each,
+    non-decreasing; num_units: units drawn."""
+
+    samples: Tensor
+    segment: Tensor
+    num_units: int
+
+
+class UnitPoissonSampler:
+    """Every unit joins each step's batch independently with probability ``sampling_rate``, with all its kept
+    samples. Stateless per step (``PoissonSampler`` over unit ids), so a resumed run replays the same batches."""
+
+    def __init__(self, units: Units, *, sampling_rate: float, seed: int, device: torch.device | str = "cpu") -> None:
+        self.units = units
+        self.q = sampling_rate
+        self._sampler = PoissonSampler(units.num_units, sampling_rate=sampling_rate, seed=seed, device=device)
+
+    def draw(self, step: int) -> UnitBatch:
+        ids = self._sampler.batch(step).to(self.units.offsets.device)  # [N_b] distinct unit ids
+        start = self.units.offsets.index_select(0, ids)
+        lens = self.units.offsets.index_select(0, ids + 1) - start
+        total = int(lens.sum())
+        seg = torch.repeat_interleave(torch.arange(ids.numel(), device=ids.device), lens, output_size=total)
+        within = torch.arange(total, device=ids.device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens,
+                                                                                   output_size=total)
+        pos = start.index_select(0, seg) + within
+        return UnitBatch(self.units.samples.index_select(0, pos), seg, ids.numel())
+
+
+def group_rows(g: PerSampleRows, segment: Tensor, *, num_units: int) -> PerSampleRows:
+    """Per-sample row gradients -> per-unit ones: unit u's rows are the sum of its samples' rows (duplicates
+    merged), so ``dp_step`` clips each unit's SUMMED gradient at S1. ``segment`` [B]: the unit of each sample.
+    Keeps ``g``'s type and extra fields (a recommender's ``always_rows``: dense rows stay last in every unit)."""
+    per_pair = segment.index_select(0, g.sample_ids())
+    c = coalesce(g.values, g.rows, per_pair, num_units, g.num_rows)
+    return dataclasses.replace(g, values=c.values, rows=c.rows, offsets=c.offsets)
+
+
+# ------------------------------------------------------------------------------------------------ task glue
+
+
+def privacy_unit(cfg: Any) -> str:
+    """The config's unit: ``pair`` / ``sentence`` / ``document`` (cbow), ``interaction`` / ``user`` (recsys)."""
+    default = "interaction" if cfg.task == "recsys" else "pair"
+    return getattr(cfg.data, "privacy_unit", default)
+
+
+def is_per_sample(cfg: Any) -> bool:
+    """True when one sample is the unit (no grouping)."""
+    return privacy_unit(cfg) in ("pair", "interaction")
+
+
+def unit_name(cfg: Any) -> str:
+    """The unit as statements name it, e.g. ``sentence (≤ 32 pairs)``, ``user (≤ 256 interactions)``."""
+    unit = privacy_unit(cfg)
+    noun = SAMPLE_NOUN["recsys"] if cfg.task == "recsys" else SAMPLE_NOUN["cbow"][cfg.data.sample_shape]
+    return f"{unit} (≤ {cfg.data.max_samples_per_unit} {noun})"
+
+
+def train_units(cfg: Any, split: Any, *, device: torch.device | str = "cpu") -> Units | None:
+    """The units of a train split (None when a sample is the unit). CBOW: the split's ``source`` Split carries each
+    sample's sentence, document and corpus-order key; recsys: the ``user`` feature, keyed by split index."""
+    if is_per_sample(cfg):
+        return None
+    unit = privacy_unit(cfg)
+    if cfg.task == "recsys":
+        if "user" not in split.names:
+            raise ConfigError("data.privacy_unit: user needs a 'user' feature in the data")
+        user = split.features[split.names.index("user")][:, 0].cpu().numpy()
+        return group_units(user, np.arange(len(user)), cap=cfg.data.max_samples_per_unit, device=device)
+    src = getattr(split, "source", None)
+    if src is None or getattr(src, unit, None) is None:
+        raise ConfigError(f"data.privacy_unit: {unit}: the prepared data has no {unit} ids (rebuild its cache)")
+    return group_units(getattr(src, unit), src.order, cap=cfg.data.max_samples_per_unit, device=device)

@@ -1,0 +1,1 @@
+"""Running a config: the training loop, engines, run directories, budget journal, summaries."""

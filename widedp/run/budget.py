@@ -1,0 +1,232 @@
+"""Glue between a training config and the accountant: the per-step spend, calibration, the budget stop, and the
+spent-budget journal that survives crashes.
+
+The journal (``RUN/spent.json``) is written atomically *before* anything derived from the steps it covers leaves
+the process (logs, checkpoints). On resume:
+- a run whose seeds and generator states are in ``RUN/private/`` (``widedp.dp.rng``) replays the lost steps bit-for-bit
+  (same batches, same selection, same noise), which releases nothing new, so the ledger continues from the
+  checkpoint and ends equal to an uninterrupted run's;
+- a run that cannot replay (``private/`` lost, or the Opacus engine) gets fresh randomness, so every step the journal
+  recorded stays spent: the steps between the checkpoint and the journal's high-water mark are kept as an extra
+  entry of the ledger.
+
+Every eps here is by ``dp.accountant`` (pld or rdp; the config refuses ``paper``); ``ledger_epsilons`` is what a run
+reports per epoch and in its summary (the headline accountant's eps, and ``epsilon_rdp`` as the cross-check).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from widedp import accounting
+from widedp.config import (
+    AllRowsConfig,
+    Config,
+    DPConfig,
+    ExponentialSelectionConfig,
+    GaussianThresholdSelectionConfig,
+    RandomSparsificationConfig,
+    SparseVectorSelectionConfig,
+    UniformSelectionConfig,
+)
+from widedp.dp.noise import sensitivity
+from widedp.dp.spend import (
+    ExponentialSpend,
+    FreeSpend,
+    GaussianSelectionSpend,
+    GaussianSpend,
+    SparseVectorSpend,
+    Spend,
+    StepSpend,
+)
+from widedp.errors import ConfigError
+from widedp.run.checkpoint import read_json, write_json
+
+JOURNAL = "spent.json"
+
+#: Set once ``widedp.run.train`` runs ``dp.preselect`` (``widedp.dp.selection.preselect``) and charges it before
+#: the first step
+#: (``preselect_runs``, e.g. as a ``run_budget.RunBudget`` prefix); until then a config with ``dp.preselect`` is
+#: refused (by ``calibrated``, on every training and ``widedp epsilon`` path) rather than trained without it.
+PRESELECT_WIRED = False
+
+
+def selection_k(k: int | None, gamma: float | None, num_rows: int) -> int:
+    """Rows per step from ``k`` or ``gamma`` (fraction of all rows)."""
+    out = k if k is not None else max(1, round(gamma * num_rows))  # type: ignore[operator]
+    if out > num_rows:
+        raise ConfigError(f"dp.selection.k: {out} rows asked for but the model has only {num_rows}")
+    return out
+
+
+def selection_spend(dp: DPConfig, num_rows: int) -> Spend:
+    """What one step's selection spends (data-independent: known before training)."""
+    s = dp.selection
+    if isinstance(s, ExponentialSelectionConfig):
+        return ExponentialSpend(epsilon=s.epsilon, picks=selection_k(s.k, s.gamma, num_rows))
+    if isinstance(s, SparseVectorSelectionConfig):
+        return SparseVectorSpend(
+            epsilon=s.epsilon, cutoff=s.cutoff, epsilon_release=s.epsilon_release if s.release_values else 0.0
+        )
+    if isinstance(s, GaussianThresholdSelectionConfig):  # contribution counts: l2 sensitivity 1
+        return GaussianSelectionSpend(noise_multiplier=s.sigma, sensitivity=1.0)
+    assert isinstance(s, (UniformSelectionConfig, RandomSparsificationConfig, AllRowsConfig))
+    return FreeSpend(s.name)
+
+
+def step_spend(dp: DPConfig, *, num_rows: int, batch_size: int, n: int) -> StepSpend:
+    """The StepSpend every step of this config emits (the step itself emits the same record)."""
+    delta2 = sensitivity(clip1=dp.clip1, clip2=dp.clip2, batch_size=batch_size)
+    return StepSpend(
+        sampling_rate=batch_size / n,
+        parts=(GaussianSpend(noise_multiplier=dp.noise_multiplier, sensitivity=delta2), selection_spend(dp, num_rows)),
+    )
+
+
+def vocabulary_spend(vocab_dp: Any) -> StepSpend:
+    """The DP vocabulary's ledger entry (``widedp.dp.vocab``): one Gaussian of l2 sensitivity 1 and noise multiplier
+    ``vocab_dp.noise_multiplier`` on the whole corpus (sampling rate 1), recorded once before the first step. Its
+    threshold's delta is not in the entry: ``widedp.run.run_budget`` takes it off the run's delta."""
+    return StepSpend(sampling_rate=1.0, parts=(GaussianSpend(noise_multiplier=vocab_dp.noise_multiplier,
+                                                             sensitivity=1.0),))
+
+
+def preselect_runs(dp: DPConfig) -> list[tuple[StepSpend, int]]:
+    """What is spent before the first step: ``[(the one-shot pre-selection, 1)]`` with ``dp.preselect``, else []."""
+    if dp.preselect is None:
+        return []
+    from widedp.dp.selection.preselect import preselect_step
+
+    return [(preselect_step(dp.preselect), 1)]
+
+
+def steps_per_epoch(batch_size: int, n: int) -> int:
+    return max(1, round(n / batch_size))
+
+
+def calibrated(cfg: Config, *, num_rows: int, n: int) -> DPConfig:
+    """Return ``cfg.dp`` with sigma or the selection's epsilon solved for ``dp.target_epsilon`` (if asked)."""
+    dp = cfg.dp
+    assert dp is not None
+    if dp.preselect is not None and not PRESELECT_WIRED:
+        raise ConfigError("dp.preselect: the one-shot pre-selection (widedp.dp.selection.preselect) is not wired into "
+                          "training yet; remove dp.preselect")
+    if dp.calibrate == "none":
+        return dp
+    b = cfg.train.batch_size
+    steps = total_steps(cfg, n)
+    kw: dict[str, Any] = {"steps": steps, "delta": dp.delta, "target_epsilon": dp.target_epsilon,
+                          "accountant": dp.accountant}
+    if dp.calibrate == "noise_multiplier":
+        sigma = accounting.calibrate_noise_multiplier(
+            lambda s: step_spend(replace(dp, noise_multiplier=s), num_rows=num_rows, batch_size=b, n=n), **kw
+        )
+        return replace(dp, noise_multiplier=sigma)
+    if isinstance(dp.selection, GaussianThresholdSelectionConfig):
+        # its privacy parameter is 1/sigma_sel (eps grows with it); threshold_sigmas keeps tau = c * sigma_sel
+        inv = accounting.calibrate_selection_epsilon(
+            lambda e: step_spend(
+                replace(dp, selection=replace(dp.selection, sigma=1.0 / e)), num_rows=num_rows, batch_size=b, n=n
+            ),
+            **kw,
+        )
+        return replace(dp, selection=replace(dp.selection, sigma=1.0 / inv))
+    eps = accounting.calibrate_selection_epsilon(
+        lambda e: step_spend(
+            replace(dp, selection=replace(dp.selection, epsilon=e)), num_rows=num_rows, batch_size=b, n=n
+        ),
+        **kw,
+    )
+    return replace(dp, selection=replace(dp.selection, epsilon=eps))
+
+
+def total_steps(cfg: Config, n: int) -> int:
+    """Steps of the whole run: epochs x steps per epoch (n/b Poisson steps with DP), capped by train.max_steps."""
+    per_epoch = steps_per_epoch(cfg.train.batch_size, n) if cfg.dp is not None else -(-n // cfg.train.batch_size)
+    t = cfg.train.epochs * per_epoch
+    return min(t, cfg.train.max_steps) if cfg.train.max_steps else t
+
+
+def budget_steps(dp: DPConfig, step: StepSpend) -> int | None:
+    """The most steps whose composition stays within ``dp.target_epsilon`` (None = no target)."""
+    if dp.target_epsilon is None:
+        return None
+    return accounting.max_steps(step, delta=dp.delta, target_epsilon=dp.target_epsilon, accountant=dp.accountant)
+
+
+def ledger_epsilons(dp: DPConfig, ledger: accounting.Ledger) -> dict[str, Any]:
+    """eps spent by ``ledger``: ``epsilon`` by the run's accountant (the same as summary.json's headline),
+    ``epsilon_accountant`` naming it, and ``epsilon_rdp`` (the RDP cross-check); 0 for an empty ledger."""
+    return accounting.headline_epsilons(ledger, delta=dp.delta, accountant=dp.accountant)
+
+
+def write_journal(run_dir: Path, ledger: accounting.Ledger) -> None:
+    write_json(run_dir / JOURNAL, ledger.to_json())
+
+
+def read_journal(run_dir: Path) -> accounting.Ledger | None:
+    path = run_dir / JOURNAL
+    if not path.exists():
+        return None
+    try:
+        return accounting.Ledger.from_json(read_json(path))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise ConfigError(f"{path}: not a spent-budget journal (corrupted?)") from None
+
+
+def resumed_ledger(checkpointed: accounting.Ledger, journal: accounting.Ledger | None, *, replayable: bool
+                   ) -> accounting.Ledger:
+    """The ledger a resumed run continues from (see the module docstring)."""
+    if journal is None or replayable or journal.steps <= checkpointed.steps:
+        return checkpointed
+    return journal
+
+
+def train_size(cfg: Config) -> int:
+    """n, the number of training samples, without training (prepares the data only for fractional splits)."""
+    first = cfg.data.splits[0]
+    if isinstance(first, int):
+        return first
+    from widedp.data_prep.cbow import prepare_cbow
+
+    return len(prepare_cbow(cfg.data).train.target)
+
+
+def epsilon_report(cfg: Config) -> dict[str, Any]:
+    """``widedp epsilon``: what the config would spend over its whole run (JSON-able; no training)."""
+    if cfg.task == "glm":
+        raise ConfigError("epsilon: task glm algorithms calibrate their noise to algorithm.epsilon when they run; "
+                          "`widedp train CONFIG` (seconds) reports the spent epsilon in summary.json")
+    if cfg.dp is None:
+        raise ConfigError("epsilon: the config has no dp: section (non-private training spends no budget)")
+    from widedp.run import run_budget
+
+    if run_budget.handles(cfg):  # privacy units or a DP vocabulary (issue 11)
+        return run_budget.epsilon_report(cfg)
+    if cfg.task == "cbow":
+        n = train_size(cfg)
+        num_rows = cfg.data.vocab_size * (1 if cfg.model.tied else 2)
+    else:  # other tasks: build the data and the model once to learn n and the row space
+        import tempfile
+
+        import torch
+
+        from widedp.run.train import TASK_BUILDERS, _resolve
+
+        with tempfile.TemporaryDirectory() as tmp:
+            splits, model = _resolve(TASK_BUILDERS[cfg.task])(cfg, Path(tmp), device=torch.device("cpu"))
+        n, num_rows = len(splits["train"]), model.num_rows
+    dp = calibrated(cfg, num_rows=num_rows, n=n)
+    step = step_spend(dp, num_rows=num_rows, batch_size=cfg.train.batch_size, n=n)
+    steps = total_steps(cfg, n)
+    cap = budget_steps(dp, step)
+    if cap is not None:
+        steps = min(steps, cap)
+    rep = accounting.report(step, steps=steps, delta=dp.delta, accountant=dp.accountant)
+    rep.update({"n_train": n, "batch_size": cfg.train.batch_size, "selection": dp.selection.name,
+                "selection_epsilon": getattr(dp.selection, "epsilon", None), "budget_steps": cap})
+    return rep

@@ -1,0 +1,109 @@
+"""``widedp export RUN_DIR [--format word2vec|torch] [--out DIR]``: the release — the only thing to share.
+
+A run directory is private working state (secret seeds in ``private/``, non-private batch statistics in
+``metrics.jsonl`` / ``summary.json``, optimizer state in ``checkpoint.pt``). The release directory holds exactly:
+
+    DIR/vectors.txt     (word2vec)  the CBOW input embeddings; gensim: KeyedVectors.load_word2vec_format(path)
+    DIR/model.pt        (torch)     the model's weights only (a state dict of tensors)
+    DIR/vocab.json      (CBOW)      the vocabulary, row order
+    DIR/ids.json        (recsys)    the raw id of every row of every table (``widedp.tasks.recsys.ids_document``)
+    DIR/privacy.json                the privacy statement: ε, δ, unit, adjacency, accountant, what is not covered
+
+and nothing else. Every export of a run that is not private says so, in privacy.json and on stderr.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from widedp.errors import ConfigError
+from widedp.run import rundir
+from widedp.run.checkpoint import _atomic_write, load_checkpoint, read_json, write_json
+
+FORMATS = ("word2vec", "torch")
+RELEASE_FILES = {"word2vec": ("vectors.txt", "vocab.json", "privacy.json"),
+                 "torch": ("model.pt", "vocab.json", "ids.json", "privacy.json")}
+
+
+def _statement(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: no summary.json (the run has not finished: resume it, then export)")
+    summary = read_json(path)
+    if not isinstance(summary, dict) or not isinstance(summary.get("privacy"), dict):
+        raise ConfigError(f"{path}: no privacy statement (written by an older widedp: re-run to export)")
+    return summary["privacy"]
+
+
+def _model_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    ckpt = load_checkpoint(run_dir)
+    state = ckpt.get("model") if "model" in ckpt else {k: v for k, v in ckpt.items() if k == "w"}
+    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"{run_dir}: the checkpoint holds no model weights")
+    return {k: v.detach().cpu() for k, v in state.items()}
+
+
+def _word2vec_lines(run_dir: Path, vocab: list[str], state: dict[str, torch.Tensor]) -> str:
+    if "input.weight" not in state:
+        raise ConfigError(f"{run_dir}: --format word2vec needs a CBOW run (no input.weight); use --format torch")
+    weight = state["input.weight"].to(torch.float32)  # the context (input) embeddings, word2vec's usual vectors
+    if weight.shape[0] < len(vocab):
+        raise ConfigError(f"{run_dir}: embedding table has {weight.shape[0]} rows for {len(vocab)} words")
+    lines = [f"{len(vocab)} {weight.shape[1]}"]
+    for word, row in zip(vocab, weight.tolist()):
+        lines.append(word + " " + " ".join(f"{x:.6g}" for x in row))
+    return "\n".join(lines) + "\n"
+
+
+def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec") -> dict[str, Any]:
+    """Write the release of ``run_dir`` into ``out`` (created; must not hold anything else); returns the statement."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: not a directory")
+    if not rundir.holds_run(run_dir):
+        raise ConfigError(f"{run_dir}: not a widedp run directory (no config.yaml, checkpoint.pt or summary.json)")
+    statement = _statement(run_dir)
+    state = _model_state(run_dir)
+    vocab_path = run_dir / "vocab.json"
+    vocab = read_json(vocab_path) if vocab_path.is_file() else None
+    if fmt == "word2vec" and vocab is None:
+        raise ConfigError(f"{run_dir}: no vocab.json (--format word2vec needs a CBOW run; use --format torch)")
+    ids = None
+    if (run_dir / "features.json").is_file():  # a recommender: its rows mean raw ids
+        if fmt != "torch":
+            raise ConfigError(f"{run_dir}: a recommender run; export it with --format torch")
+        if not (run_dir / "ids.json").is_file():
+            raise ConfigError(f"{run_dir}: no ids.json (trained by an older widedp: without the id -> row map the "
+                              "weights cannot be used; re-run it)")
+        ids = read_json(run_dir / "ids.json")
+    out = out.resolve()
+    if out == run_dir.resolve() or (run_dir.resolve() / "private") in (out, *out.parents):
+        raise ConfigError(f"--out {out}: choose a folder of its own (not the run directory or its private/)")
+    if out.exists() and (not out.is_dir() or set(p.name for p in out.iterdir()) - set(RELEASE_FILES[fmt])):
+        raise ConfigError(f"--out {out}: exists and holds other files; the release folder holds the release only")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if fmt == "word2vec":
+            text = _word2vec_lines(run_dir, vocab, state).encode()
+            _atomic_write(tmp / "vectors.txt", lambda f: f.write(text))
+        else:
+            _atomic_write(tmp / "model.pt", lambda f: torch.save(state, f))
+        if vocab is not None:
+            write_json(tmp / "vocab.json", vocab)
+        if ids is not None:
+            write_json(tmp / "ids.json", ids, indent=None)
+        write_json(tmp / "privacy.json", statement)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return statement
+

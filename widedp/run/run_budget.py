@@ -1,0 +1,242 @@
+"""The whole budget of a run: one-off releases before the first step (the DP vocabulary) composed with the steps,
+and the training in privacy units (issue 11).
+
+The DP vocabulary (``widedp.dp.vocab``) is recorded in the run's ledger as one step at sampling rate 1 whose only
+part is its Gaussian (noise multiplier sigma_v, sensitivity 1): ``RunBudget.prefix``. Its threshold adds
+delta_tau (``data.vocab_dp.delta``) that no ledger entry carries, so every epsilon of such a run is
+``eps_ledger(dp.delta - delta_tau) + ln(1 / (1 - delta_tau))`` at the run's ``dp.delta`` (why that is valid: the
+``widedp.dp.vocab`` docstring). Calibration and the budget stop solve for that same figure. Runs without a DP
+vocabulary go through ``widedp.run.budget`` unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from widedp import accounting
+from widedp.accounting.pld import PLDRangeError
+from widedp.config import Config, DPConfig
+from widedp.dp import units
+from widedp.dp.spend import StepSpend
+from widedp.errors import ConfigError
+from widedp.run import budget
+
+
+@dataclass(frozen=True)
+class RunBudget:
+    """prefix: steps recorded before the first training step (each once); threshold_delta: delta spent outside the
+    ledger (the vocabulary's threshold)."""
+
+    prefix: tuple[StepSpend, ...] = ()
+    threshold_delta: float = 0.0
+
+    @property
+    def prefix_steps(self) -> int:
+        return len(self.prefix)
+
+    @property
+    def epsilon_extra(self) -> float:
+        """ln(1 / (1 - delta_tau)): the remove direction's factor (``widedp.dp.vocab``)."""
+        return -math.log1p(-self.threshold_delta)
+
+    def accounting_delta(self, delta: float) -> float:
+        """The delta the ledger is evaluated at: the run's delta minus the threshold's."""
+        d = delta - self.threshold_delta
+        if not d > 0:
+            raise ConfigError(f"data.vocab_dp.delta: {self.threshold_delta:g} must be below dp.delta ({delta:g})")
+        return d
+
+
+def for_config(cfg: Config) -> RunBudget:
+    """The run budget of ``cfg`` (empty unless a cbow config with ``data.vocabulary: dp`` and a dp: section)."""
+    if cfg.dp is None or cfg.task != "cbow" or getattr(cfg.data, "vocabulary", "") != "dp":
+        return RunBudget()
+    rb = RunBudget((budget.vocabulary_spend(cfg.data.vocab_dp),), cfg.data.vocab_dp.delta)
+    rb.accounting_delta(cfg.dp.delta)  # refuse a threshold delta >= dp.delta early
+    return rb
+
+
+def _eps(rb: RunBudget, dp: DPConfig, runs: list[tuple[StepSpend, int]], accountant: str | None = None) -> float:
+    try:
+        e = accounting.compose_epsilon([(p, 1) for p in rb.prefix] + runs, delta=rb.accounting_delta(dp.delta),
+                                       accountant=accountant or dp.accountant)
+    except PLDRangeError:
+        return math.inf
+    return e + rb.epsilon_extra
+
+
+def epsilons(dp: DPConfig, ledger: accounting.Ledger, rb: RunBudget) -> dict[str, Any]:
+    """What a run reports for its ledger (prefix included): ``epsilon``, ``epsilon_accountant``, ``epsilon_rdp``."""
+    if not rb.prefix and not rb.threshold_delta:
+        return budget.ledger_epsilons(dp, ledger)
+    out = accounting.headline_epsilons(ledger, delta=rb.accounting_delta(dp.delta), accountant=dp.accountant)
+    if ledger.steps:
+        out["epsilon"] += rb.epsilon_extra
+        out["epsilon_rdp"] += rb.epsilon_extra
+    return out
+
+
+def calibrated(cfg: Config, *, num_rows: int, n: int, rb: RunBudget) -> DPConfig:
+    """``cfg.dp`` with sigma (or the selection's epsilon) solved so that the prefix AND the training steps spend
+    ``dp.target_epsilon`` (within 1% below it); ``budget.calibrated`` when there is no prefix."""
+    dp = cfg.dp
+    assert dp is not None
+    if not rb.prefix or dp.calibrate == "none":
+        return budget.calibrated(cfg, num_rows=num_rows, n=n)
+    b, steps = cfg.train.batch_size, budget.total_steps(cfg, n)
+    target = dp.target_epsilon
+    assert target is not None
+    if _eps(rb, dp, []) >= target:
+        raise ConfigError(f"dp.target_epsilon: {target:g} is infeasible: the DP vocabulary alone spends "
+                          f"{_eps(rb, dp, []):.4g}; raise data.vocab_dp.noise_multiplier or the target")
+    if dp.calibrate == "noise_multiplier":
+        def make(x: float) -> DPConfig:
+            return replace(dp, noise_multiplier=x)
+        increasing = False
+    elif hasattr(dp.selection, "epsilon"):
+        def make(x: float) -> DPConfig:
+            return replace(dp, selection=replace(dp.selection, epsilon=x))
+        increasing = True
+    else:
+        raise ConfigError(f"dp.calibrate: selection_epsilon with a DP vocabulary needs a selection with an epsilon, "
+                          f"not {dp.selection.name!r}")
+    # start from the training-only answer (at the ledger's delta): the joint eps is a little above the target there
+    dp0 = budget.calibrated(replace(cfg, dp=replace(dp, delta=rb.accounting_delta(dp.delta))), num_rows=num_rows,
+                            n=n)
+    x0 = dp0.selection.epsilon if increasing else dp0.noise_multiplier
+
+    def f(x: float) -> float:
+        return _eps(rb, dp, [(budget.step_spend(make(x), num_rows=num_rows, batch_size=b, n=n), steps)])
+
+    return make(_solve(f, target, x0=x0, increasing=increasing))
+
+
+def _solve(f: Callable[[float], float], target: float, *, x0: float, increasing: bool, tol: float = 0.01) -> float:
+    """x with (1 - tol) target <= f(x) <= target for a monotone f, searching in log x from x0 (bracket, bisect)."""
+    up = 1.15 if increasing else 1 / 1.15  # x * up raises eps
+    good, bad = None, None
+    x = x0
+    for _ in range(200):
+        v = f(x)
+        if (1 - tol) * target <= v <= target:
+            return x
+        if v <= target:
+            good = x
+            if bad is not None:
+                break
+            x = x * up
+        else:
+            bad = x
+            if good is not None:
+                break
+            x = x / up
+    if good is None or bad is None:
+        raise ConfigError(f"calibration: no value reaches eps <= {target:g} with the DP vocabulary")
+    for _ in range(60):
+        mid = math.sqrt(good * bad)
+        v = f(mid)
+        if (1 - tol) * target <= v <= target:
+            return mid
+        good, bad = (mid, bad) if v <= target else (good, mid)
+    return good
+
+
+def budget_steps(dp: DPConfig, step: StepSpend, rb: RunBudget) -> int | None:
+    """The most TRAINING steps whose composition with the prefix stays within ``dp.target_epsilon`` (None = no
+    target); ``budget.budget_steps`` when there is no prefix."""
+    if dp.target_epsilon is None:
+        return None
+    if not rb.prefix:
+        return budget.budget_steps(dp, step)
+    target = dp.target_epsilon
+    if _eps(rb, dp, []) > target:
+        return 0
+    hi = accounting.max_steps(step, delta=rb.accounting_delta(dp.delta), target_epsilon=target,
+                              accountant=dp.accountant)  # training alone: an upper bound
+    if _eps(rb, dp, [(step, hi)]) <= target:
+        return hi
+    lo = 0  # eps(lo) <= target < eps(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _eps(rb, dp, [(step, mid)]) <= target else (lo, mid)
+    return lo
+
+
+# ------------------------------------------------------------------------------------------------ widedp epsilon
+
+
+def handles(cfg: Config) -> bool:
+    """Does ``widedp epsilon`` need this module (units or a prefix) rather than ``budget.epsilon_report``?"""
+    return cfg.dp is not None and cfg.task in ("cbow", "recsys") and (not units.is_per_sample(cfg)
+                                                                     or bool(for_config(cfg).prefix))
+
+
+def train_units_of(cfg: Config) -> tuple[int, int, int, dict[str, Any]]:
+    """(N units, n samples, rows, notes) of ``cfg``'s training split without training. A DP vocabulary is drawn
+    per run, so its N is estimated with the top-V vocabulary (noted)."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    notes: dict[str, Any] = {}
+    if cfg.task == "cbow":
+        from widedp.data_prep.cbow import prepare_cbow
+        from widedp.run.train import SplitTensors
+
+        data_cfg = cfg.data
+        if data_cfg.vocabulary == "dp":
+            data_cfg = replace(data_cfg, vocabulary="private_top")
+            notes["n_units_note"] = ("estimated with the top-V vocabulary: the run's DP vocabulary changes the number "
+                                     "of units slightly (its summary.json has the exact figure)")
+        split = SplitTensors.of(prepare_cbow(data_cfg).train, torch.device("cpu"))
+        num_rows = cfg.data.vocab_size * (1 if cfg.model.tied else 2)
+    else:
+        from widedp.run.train import TASK_BUILDERS, _resolve
+
+        with tempfile.TemporaryDirectory() as tmp:
+            splits, model = _resolve(TASK_BUILDERS[cfg.task])(cfg, Path(tmp), device=torch.device("cpu"))
+        split, num_rows = splits["train"], model.num_rows
+    grouped = units.train_units(cfg, split)
+    n = len(split)
+    return (grouped.num_units if grouped is not None else n), n, num_rows, notes
+
+
+def epsilon_report(cfg: Config) -> dict[str, Any]:
+    """``widedp epsilon`` for a config with privacy units or a DP vocabulary: everything the run would spend
+    (``epsilon``: vocabulary + training at ``dp.delta``; ``epsilon_training_only``: the steps alone)."""
+    assert cfg.dp is not None
+    rb = for_config(cfg)
+    n_units, n, num_rows, notes = train_units_of(cfg)
+    dp = calibrated(cfg, num_rows=num_rows, n=n_units, rb=rb)
+    b = cfg.train.batch_size
+    step = budget.step_spend(dp, num_rows=num_rows, batch_size=b, n=n_units)
+    steps = budget.total_steps(cfg, n_units)
+    cap = budget_steps(dp, step, rb)
+    if cap is not None:
+        steps = min(steps, cap)
+    delta_acc = rb.accounting_delta(dp.delta)
+    rep = accounting.report(step, steps=steps, delta=delta_acc, accountant=dp.accountant)
+    rep.update({"n_train": n, "n_units": n_units, "privacy_unit": units.privacy_unit(cfg), "batch_size": b,
+                "batch_size_unit": "units" if not units.is_per_sample(cfg) else "samples",
+                "selection": dp.selection.name, "selection_epsilon": getattr(dp.selection, "epsilon", None),
+                "budget_steps": cap, **notes})
+    if not units.is_per_sample(cfg):
+        rep["max_samples_per_unit"] = cfg.data.max_samples_per_unit
+    if rb.prefix:
+        rep["epsilon_training_only"] = rep["epsilon"]
+        for key, acct in (("epsilon_pld", "pld"), ("epsilon_rdp", "rdp")):
+            rep[key] = _eps(rb, dp, [(step, steps)], acct)
+        rep["epsilon"] = rep["epsilon_pld"] if dp.accountant == "pld" else rep["epsilon_rdp"]
+        rep["delta"] = dp.delta
+        v = cfg.data.vocab_dp
+        rep["vocabulary"] = {"mechanism": "Gaussian partition selection (widedp.dp.vocab)", "sampling_rate": 1.0,
+                             "noise_multiplier": v.noise_multiplier, "sensitivity": 1.0,
+                             "max_words_per_unit": v.max_words_per_unit, "threshold_delta": v.delta,
+                             "epsilon_alone": _eps(rb, dp, []),
+                             "accounting": f"ledger eps at delta - {v.delta:g} (vocabulary Gaussian + steps) "
+                                           f"+ ln(1/(1 - {v.delta:g}))"}
+    return rep

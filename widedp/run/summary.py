@@ -1,0 +1,86 @@
+"""What a finished (or budget-stopped) run reports: ``summary.json``, the privacy statement, the plot title.
+
+``summary.json`` and ``metrics.jsonl`` hold non-private statistics of the training batches (train loss, clipped
+fractions, the share of selected rows the batch touched, ...): they are diagnostics for whoever holds the private
+run directory and must not be shared. ``widedp export`` writes what may be shared.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from widedp import accounting
+from widedp.accounting import statement
+from widedp.config import Config
+from widedp.run import budget, run_budget
+
+DIAGNOSTICS_NOTICE = ("NON-PRIVATE diagnostics of the training batches (train loss, clipping, selection "
+                      "statistics): not covered by the privacy guarantee; do not share this file. Share only what "
+                      "`widedp export` writes.")
+
+
+def run_statement(cfg: Config, dp: Any, ledger: accounting.Ledger, *, private_rng: bool,
+                  rb: run_budget.RunBudget | None = None) -> statement.PrivacyStatement:
+    """The statement of a cbow/recsys run: the headline accountant's ε over everything the ledger recorded (the DP
+    vocabulary included, ``rb``)."""
+    if dp is None:
+        return statement.for_run(cfg, epsilon=None, delta=None, accountant="", private_rng=private_rng)
+    eps = epoch_epsilons(dp, ledger, rb).get("epsilon", 0.0)
+    return statement.for_run(cfg, epsilon=eps, delta=dp.delta, accountant=dp.accountant, private_rng=private_rng)
+
+
+def summary(cfg: Config, dp: Any, history: list[dict[str, Any]], *, step: int, per_epoch: int, wall: float,
+            setup_s: float, n: int, ledger: accounting.Ledger, stopped: bool, cap: int | None, private_rng: bool,
+            rb: run_budget.RunBudget | None = None, unit_info: dict[str, Any] | None = None,
+            kept_epoch: int | None = None) -> dict[str, Any]:
+    """The summary dict of a cbow/recsys run (written to summary.json). ``unit_info``: the privacy unit's facts
+    (unit, N units, cap, samples dropped by the cap); with units, ``samples_per_s`` counts units."""
+    last = history[-1] if history else {}
+    if kept_epoch is not None:  # train.keep_best: the final weights are that epoch's
+        last = next(h for h in history if h["epoch"] == kept_epoch)
+    samples = step * cfg.train.batch_size
+    st = run_statement(cfg, dp, ledger, private_rng=private_rng, rb=rb)
+    out: dict[str, Any] = {
+        "train_loss": last.get("train_loss"), "valid_loss": last.get("valid_loss"),
+        "test_loss": last.get("test_loss"), "steps": step, "epochs": step / per_epoch,
+        "samples_per_s": samples / wall if wall > 0 else None, "train_s": wall, "setup_s": setup_s, "n_train": n,
+        "config_hash": cfg.hash(), "private": dp is not None and private_rng,
+        "initial_valid_loss": history[0]["valid_loss"], "privacy": st.to_json(), "notice": DIAGNOSTICS_NOTICE,
+    }
+    if kept_epoch is not None:
+        out["kept_epoch"] = kept_epoch  # the losses above and the saved weights are that epoch's (train.keep_best)
+    if unit_info:
+        out["units"] = unit_info
+    if dp is not None:
+        out["dp"] = {
+            "delta": dp.delta, "noise_multiplier": dp.noise_multiplier, "selection": dp.selection.name,
+            "selection_epsilon": getattr(dp.selection, "epsilon", None), "accountant": dp.accountant,
+            "epsilon": st.epsilon, "epsilon_rdp": epoch_epsilons(dp, ledger, rb).get("epsilon_rdp", 0.0),
+            "stopped_by_budget": stopped, "budget_steps": cap, "target_epsilon": dp.target_epsilon,
+            "rng": dp.rng, "ledger": ledger.to_json(),
+        }
+    return out
+
+
+def epoch_epsilons(dp: Any, ledger: accounting.Ledger, rb: run_budget.RunBudget | None = None
+                   ) -> dict[str, float]:
+    """Per-epoch ε for metrics.jsonl: the headline accountant's (as in the summary) and the RDP cross-check; with
+    a DP vocabulary (``rb``) its release is included."""
+    if dp is None or not ledger.steps:
+        return {}
+    return budget.ledger_epsilons(dp, ledger) if rb is None else run_budget.epsilons(dp, ledger, rb)
+
+
+def plot_title(cfg: Config, dp: Any, st: statement.PrivacyStatement) -> str:
+    """loss.png's title: the method, and ε with its δ and unit."""
+    if dp is None:
+        return "non-private"
+    unit, _ = statement.unit_and_gaps(cfg)
+    head = f"DP {dp.selection.name}, σ={dp.noise_multiplier:.3g}\nε={st.epsilon:.3g}, δ={dp.delta:g} per {unit}"
+    return head if st.private else "NOT PRIVATE (reproducible rng) " + head
+
+
+def warn_nonfinite(count: int, step: int) -> None:
+    print(f"widedp: warning: {count} sample(s) with a non-finite gradient up to step {step} contributed zero "
+          "(see nonfinite_samples in metrics.jsonl)", file=sys.stderr)

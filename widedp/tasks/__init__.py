@@ -1,0 +1,1 @@
+"""Tasks: data + model builders behind one protocol (CBOW, recommender, GLM)."""
