@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy import stats
 
-import widedp.dp.selection as selection
 import widedp.dp.selection.base as selection_base
+import widedp.dp.selection.exponential as selection_exponential
 from widedp.config import (
     AllRowsConfig,
     ExponentialSelectionConfig,
@@ -48,7 +48,7 @@ def _one_thread():
 def _dense_factor(monkeypatch, value: int) -> None:
     """Set ``_DENSE_FACTOR`` where ``sample_distinct`` and the exponential selector read it."""
     monkeypatch.setattr(selection_base, "_DENSE_FACTOR", value)
-    monkeypatch.setattr(selection, "_DENSE_FACTOR", value)
+    monkeypatch.setattr(selection_exponential, "_DENSE_FACTOR", value)
 
 
 def ordered_law(logits, k: int) -> dict[tuple[int, ...], float]:
@@ -153,8 +153,8 @@ def test_sparse_gumbel_topk_matches_brute_force(monkeypatch, dense_factor):
 
 def test_sorted_untouched_ids_are_detected(monkeypatch):
     """Negative control of §4.6: order statistics attached to untouched ids in sorted order is biased."""
-    original = selection.sample_distinct
-    monkeypatch.setattr(selection, "sample_distinct", lambda *a, **kw: original(*a, **kw).sort().values)
+    original = selection_exponential.sample_distinct
+    monkeypatch.setattr(selection_exponential, "sample_distinct", lambda *a, **kw: original(*a, **kw).sort().values)
     touched = torch.tensor([1, 4])
     logits = torch.tensor([1.2, 0.4], dtype=torch.float64)
     dense = torch.zeros(6, dtype=torch.float64).index_copy_(0, touched, logits)
