@@ -198,7 +198,7 @@ def test_untouched_rows_stay_candidates(monkeypatch, method):
     touched = torch.tensor([2, 5, 7])
     scores = torch.zeros(3)
     gen = torch.Generator().manual_seed(4)
-    picks = [int(sel.select(touched, scores, num_rows=10, score_sensitivity=0.1, ctx=CTX, generator=gen)[0])
+    picks = [int(sel.select(touched, scores, selectable_rows=10, score_sensitivity=0.1, ctx=CTX, generator=gen))
              for _ in range(5_000)]
     obs = np.bincount(picks, minlength=10)
     assert stats.chisquare(obs).pvalue > 1e-3
@@ -241,7 +241,7 @@ def test_sparse_vector_matches_reference_and_detects_broken_variants():
     scores = torch.tensor([1.0, 0.6])
     dense = [1.0, 0.0, 0.6, 0.0]
     gen = torch.Generator().manual_seed(5)
-    ours = [tuple(sel.select(touched, scores, num_rows=4, score_sensitivity=du, ctx=CTX, generator=gen)[0].tolist())
+    ours = [tuple(sel.select(touched, scores, selectable_rows=4, score_sensitivity=du, ctx=CTX, generator=gen).tolist())
             for _ in range(8_000)]
     rng = random.Random(0)
     kw = {"eps": eps, "threshold": threshold, "cutoff": cutoff, "frac": frac, "du": du, "rng": rng}
@@ -258,7 +258,7 @@ def test_sparse_vector_zero_scores_pick_any_row():
     touched = torch.tensor([1, 2])
     picks = []
     for _ in range(3_000):
-        s, _ = sel.select(touched, torch.zeros(2), num_rows=8, score_sensitivity=1.0, ctx=CTX, generator=gen)
+        s = sel.select(touched, torch.zeros(2), selectable_rows=8, score_sensitivity=1.0, ctx=CTX, generator=gen)
         picks += s.tolist()
     obs = np.bincount(picks, minlength=8)
     assert len(picks) > 2_000 and stats.chisquare(obs).pvalue > 1e-3
@@ -278,12 +278,12 @@ def test_uniform_law():
     gen = torch.Generator().manual_seed(8)
     sel = UniformSelector(k=2)
     empty = torch.zeros(0, dtype=torch.long)
-    draws = _draw(lambda: sel.select(empty, torch.zeros(0), num_rows=5, score_sensitivity=0.0, ctx=CTX,
-                                     generator=gen)[0], 10_000)
+    draws = _draw(lambda: sel.select(empty, torch.zeros(0), selectable_rows=5, score_sensitivity=0.0, ctx=CTX,
+                                     generator=gen), 10_000)
     assert law_pvalue(draws, {o: 1 / 20 for o in itertools.permutations(range(5), 2)}) > 1e-3
     sel = UniformSelector(k=3)  # rejection path
-    draws = _draw(lambda: sel.select(empty, torch.zeros(0), num_rows=1000, score_sensitivity=0.0, ctx=CTX,
-                                     generator=gen)[0], 10_000)
+    draws = _draw(lambda: sel.select(empty, torch.zeros(0), selectable_rows=1000, score_sensitivity=0.0, ctx=CTX,
+                                     generator=gen), 10_000)
     assert all(len(set(d)) == 3 for d in draws.tolist())
     assert stats.chisquare(np.bincount(draws.ravel(), minlength=1000)).pvalue > 1e-3
 
@@ -296,30 +296,30 @@ def test_random_sparsification_mask_per_epoch():
     masks = []
     for e in range(epochs):
         ctx = SelectionContext(epoch=e, num_epochs=epochs)
-        m, spend = sel.select(empty, torch.zeros(0), num_rows=num_rows, score_sensitivity=0.0, ctx=ctx,
-                              generator=gen)
-        again, _ = sel.select(torch.tensor([3]), torch.zeros(1), num_rows=num_rows, score_sensitivity=0.0, ctx=ctx,
-                              generator=gen)
+        m = sel.select(empty, torch.zeros(0), selectable_rows=num_rows, score_sensitivity=0.0, ctx=ctx, generator=gen)
+        again = sel.select(torch.tensor([3]), torch.zeros(1), selectable_rows=num_rows, score_sensitivity=0.0, ctx=ctx,
+                           generator=gen)
         assert torch.equal(m, again)  # constant within the epoch
         assert m.numel() == round((1 - 0.8 * e / (epochs - 1)) * num_rows)  # keep-rate 1, .8, .6, .4, .2
-        assert m.unique().numel() == m.numel() and spend == FreeSpend("random_sparsification")
+        assert m.unique().numel() == m.numel() and sel.spend() == FreeSpend("random_sparsification")
         masks.append(m)
     assert not torch.equal(masks[1], masks[2][: masks[1].numel()])
     assert torch.equal(masks[0], torch.arange(num_rows))
     # without cooling the final rate applies from the first epoch
     flat = RandomSparsificationSelector(final_rate=0.8, gradual_cooling=False)
-    m, _ = flat.select(empty, torch.zeros(0), num_rows=num_rows, score_sensitivity=0.0,
-                       ctx=SelectionContext(0, epochs), generator=gen)
+    m = flat.select(empty, torch.zeros(0), selectable_rows=num_rows, score_sensitivity=0.0,
+                    ctx=SelectionContext(0, epochs), generator=gen)
     assert m.numel() == 200
-    m2, _ = flat.select(empty, torch.zeros(0), num_rows=num_rows, score_sensitivity=0.0,
-                        ctx=SelectionContext(1, epochs), generator=gen)
+    m2 = flat.select(empty, torch.zeros(0), selectable_rows=num_rows, score_sensitivity=0.0,
+                     ctx=SelectionContext(1, epochs), generator=gen)
     assert m2.numel() == 200 and not torch.equal(m, m2)
 
 
 def test_all_rows():
-    s, spend = AllRowsSelector().select(torch.tensor([1]), torch.zeros(1), num_rows=7, score_sensitivity=0.0,
-                                        ctx=CTX, generator=torch.Generator())
-    assert torch.equal(s, torch.arange(7)) and spend == FreeSpend("all")
+    sel = AllRowsSelector()
+    s = sel.select(torch.tensor([1]), torch.zeros(1), selectable_rows=7, score_sensitivity=0.0, ctx=CTX,
+                   generator=torch.Generator())
+    assert torch.equal(s, torch.arange(7)) and sel.spend() == FreeSpend("all")
 
 
 # ------------------------------------------------------------------------------------------ factory, records
@@ -342,9 +342,9 @@ def test_make_selector_and_spend_records():
         sel = make_selector(cfg, num_rows=100)
         assert sel.score_clip == getattr(cfg, "score_clip", None)
         for t in (touched, touched[:0]):  # also an empty batch: nothing touched
-            s, got = sel.select(t, scores[: t.numel()], num_rows=100, score_sensitivity=0.05, ctx=CTX,
-                                generator=gen)
-            assert got == spend, cfg
+            s = sel.select(t, scores[: t.numel()], selectable_rows=100, score_sensitivity=0.05, ctx=CTX,
+                           generator=gen)
+            assert sel.spend() == spend, cfg
             assert s.dtype == torch.long and s.unique().numel() == s.numel()
             assert ((s >= 0) & (s < 100)).all()
             if k is not None:
@@ -360,8 +360,8 @@ def test_make_selector_and_spend_records():
 def test_exponential_k_equals_all_rows():
     sel = ExponentialSelector(k=9, epsilon=1.0, score_clip=1.0, brute_below=0)
     for _ in range(3):
-        s, _ = sel.select(torch.tensor([0, 4]), torch.tensor([0.5, 0.2]), num_rows=9, score_sensitivity=1.0, ctx=CTX,
-                          generator=torch.Generator().manual_seed(11))
+        s = sel.select(torch.tensor([0, 4]), torch.tensor([0.5, 0.2]), selectable_rows=9, score_sensitivity=1.0,
+                       ctx=CTX, generator=torch.Generator().manual_seed(11))
         assert sorted(s.tolist()) == list(range(9))
 
 
@@ -373,13 +373,13 @@ def test_random_sparsification_mask_survives_a_resume():
     empty = torch.zeros(0, dtype=torch.long)
     g1 = torch.Generator().manual_seed(5)
     first = RandomSparsificationSelector(final_rate=0.5).select(
-        empty, empty.float(), num_rows=50, score_sensitivity=0.0, ctx=ctx, generator=g1)[0]
+        empty, empty.float(), selectable_rows=50, score_sensitivity=0.0, ctx=ctx, generator=g1)
     g2 = torch.Generator().manual_seed(5)
     torch.rand(1000, generator=g2)  # the resumed generator has advanced
     again = RandomSparsificationSelector(final_rate=0.5).select(
-        empty, empty.float(), num_rows=50, score_sensitivity=0.0, ctx=ctx, generator=g2)[0]
+        empty, empty.float(), selectable_rows=50, score_sensitivity=0.0, ctx=ctx, generator=g2)
     assert torch.equal(first, again)
     other = RandomSparsificationSelector(final_rate=0.5).select(
-        empty, empty.float(), num_rows=50, score_sensitivity=0.0, ctx=SelectionContext(epoch=4, num_epochs=10),
-        generator=g2)[0]
+        empty, empty.float(), selectable_rows=50, score_sensitivity=0.0, ctx=SelectionContext(epoch=4, num_epochs=10),
+        generator=g2)
     assert not torch.equal(first, other)

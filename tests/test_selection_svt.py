@@ -29,8 +29,8 @@ def two_sample_pvalue(a, b) -> float:
 
 def draws(sel, touched, scores, num_rows, n, seed, du=1.0):
     gen = torch.Generator().manual_seed(seed)
-    return [tuple(sel.select(touched, scores, num_rows=num_rows, score_sensitivity=du, ctx=CTX,
-                             generator=gen)[0].tolist()) for _ in range(n)]
+    return [tuple(sel.select(touched, scores, selectable_rows=num_rows, score_sensitivity=du, ctx=CTX,
+                             generator=gen).tolist()) for _ in range(n)]
 
 
 def selectors(**kw):
@@ -89,8 +89,8 @@ def test_trillion_rows_and_factory():
     assert sel.method == "fast" and sel.score_kind == "norm"
     gen = torch.Generator().manual_seed(4)
     t0 = time.perf_counter()
-    s, spend = sel.select(torch.tensor([1, 5, 10**11]), torch.tensor([0.05, 0.02, 0.0]), num_rows=10**12,
-                          score_sensitivity=0.05, ctx=CTX, generator=gen)
+    s = sel.select(torch.tensor([1, 5, 10**11]), torch.tensor([0.05, 0.02, 0.0]), selectable_rows=10**12,
+                   score_sensitivity=0.05, ctx=CTX, generator=gen)
     assert time.perf_counter() - t0 < 5
-    assert s.numel() == 50 and s.unique().numel() == 50 and spend.cutoff == 50
+    assert s.numel() == 50 and s.unique().numel() == 50 and sel.spend().cutoff == 50
     assert make_selector(SparseVectorSelectionConfig(method="brute"), num_rows=10).method == "brute"

@@ -66,20 +66,14 @@ class ExponentialSelector:
         """The factor of u_r in the Gumbel keys: ε'' / (2Δu)."""
         return self.epsilon / (2.0 * score_sensitivity)
 
-    def select(
-        self,
-        touched: Tensor,
-        scores: Tensor,
-        *,
-        num_rows: int,
-        score_sensitivity: float,
-        ctx: SelectionContext,
-        generator: torch.Generator,
-    ) -> tuple[Tensor, Spend]:
+    def spend(self) -> Spend:
+        return ExponentialSpend(epsilon=self.epsilon, picks=self.k)
+
+    def select(self, touched: Tensor, scores: Tensor, *, selectable_rows: int, score_sensitivity: float,
+               ctx: SelectionContext, generator: torch.Generator) -> Tensor:
         logits = scores * self.key_scale(score_sensitivity)
         # the fast path's id sampler is O(R) itself when 4(U + k) > R: then brute force has fewer ops
-        if self.method == "brute" or num_rows <= max(self.brute_below, _DENSE_FACTOR * (touched.numel() + self.k)):
-            sel = gumbel_topk(dense_scores(touched, logits, num_rows), self.k, generator=generator)
-        else:
-            sel = gumbel_topk_sparse(touched, logits, num_rows=num_rows, k=self.k, generator=generator)
-        return sel, ExponentialSpend(epsilon=self.epsilon, picks=self.k)
+        r = selectable_rows
+        if self.method == "brute" or r <= max(self.brute_below, _DENSE_FACTOR * (touched.numel() + self.k)):
+            return gumbel_topk(dense_scores(touched, logits, r), self.k, generator=generator)
+        return gumbel_topk_sparse(touched, logits, num_rows=r, k=self.k, generator=generator)

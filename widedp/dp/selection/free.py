@@ -20,19 +20,13 @@ class UniformSelector:
     score_clip: float | None = None  # no scores used
     score_kind: ScoreKind = "none"
 
-    def select(
-        self,
-        touched: Tensor,
-        scores: Tensor,
-        *,
-        num_rows: int,
-        score_sensitivity: float,
-        ctx: SelectionContext,
-        generator: torch.Generator,
-    ) -> tuple[Tensor, Spend]:
+    def spend(self) -> Spend:
+        return FreeSpend("uniform")
+
+    def select(self, touched: Tensor, scores: Tensor, *, selectable_rows: int, score_sensitivity: float,
+               ctx: SelectionContext, generator: torch.Generator) -> Tensor:
         empty = touched.new_zeros(0)
-        sel = sample_distinct(self.k, num_rows, exclude=empty, generator=generator, device=touched.device)
-        return sel, FreeSpend("uniform")
+        return sample_distinct(self.k, selectable_rows, exclude=empty, generator=generator, device=touched.device)
 
 
 @dataclass(eq=False)
@@ -54,25 +48,20 @@ class RandomSparsificationSelector:
             return self.final_rate
         return self.final_rate * ctx.epoch / (ctx.num_epochs - 1)
 
-    def select(
-        self,
-        touched: Tensor,
-        scores: Tensor,
-        *,
-        num_rows: int,
-        score_sensitivity: float,
-        ctx: SelectionContext,
-        generator: torch.Generator,
-    ) -> tuple[Tensor, Spend]:
+    def spend(self) -> Spend:
+        return FreeSpend("random_sparsification")
+
+    def select(self, touched: Tensor, scores: Tensor, *, selectable_rows: int, score_sensitivity: float,
+               ctx: SelectionContext, generator: torch.Generator) -> Tensor:
         mask = self._mask
         if self._epoch != ctx.epoch or mask is None or mask.device != touched.device:
             # the epoch's mask comes from its own stream (seeded by the step generator's seed and the epoch), so a
             # run resumed mid-epoch redraws the same mask and leaves the step generator's draws untouched
             epoch_gen = torch.Generator().manual_seed((generator.initial_seed() * 1_000_003 + ctx.epoch) % 2**63)
-            kept = max(1, round((1.0 - self.rate(ctx)) * num_rows))
-            mask = torch.randperm(num_rows, generator=epoch_gen)[:kept].sort().values.to(touched.device)
+            kept = max(1, round((1.0 - self.rate(ctx)) * selectable_rows))
+            mask = torch.randperm(selectable_rows, generator=epoch_gen)[:kept].sort().values.to(touched.device)
             self._epoch, self._mask = ctx.epoch, mask
-        return mask, FreeSpend("random_sparsification")
+        return mask
 
 
 @dataclass(eq=False)
@@ -83,17 +72,12 @@ class AllRowsSelector:
     score_kind: ScoreKind = "none"
     _all: Tensor | None = field(default=None, init=False, repr=False)
 
-    def select(
-        self,
-        touched: Tensor,
-        scores: Tensor,
-        *,
-        num_rows: int,
-        score_sensitivity: float,
-        ctx: SelectionContext,
-        generator: torch.Generator,
-    ) -> tuple[Tensor, Spend]:
+    def spend(self) -> Spend:
+        return FreeSpend("all")
+
+    def select(self, touched: Tensor, scores: Tensor, *, selectable_rows: int, score_sensitivity: float,
+               ctx: SelectionContext, generator: torch.Generator) -> Tensor:
         rows = self._all
-        if rows is None or rows.numel() != num_rows or rows.device != touched.device:
-            rows = self._all = torch.arange(num_rows, device=touched.device)
-        return rows, FreeSpend("all")
+        if rows is None or rows.numel() != selectable_rows or rows.device != touched.device:
+            rows = self._all = torch.arange(selectable_rows, device=touched.device)
+        return rows

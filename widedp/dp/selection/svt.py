@@ -124,16 +124,12 @@ class SparseVectorSelector:
     method: str = "fast"
     score_kind: ScoreKind = "norm"
 
-    def select(
-        self,
-        touched: Tensor,
-        scores: Tensor,
-        *,
-        num_rows: int,
-        score_sensitivity: float,
-        ctx: SelectionContext,
-        generator: torch.Generator,
-    ) -> tuple[Tensor, Spend]:
+    def spend(self) -> Spend:
+        return SparseVectorSpend(epsilon=self.epsilon, cutoff=self.cutoff,
+                                 epsilon_release=self.epsilon_release if self.release_values else 0.0)
+
+    def select(self, touched: Tensor, scores: Tensor, *, selectable_rows: int, score_sensitivity: float,
+               ctx: SelectionContext, generator: torch.Generator) -> Tensor:
         eps1 = self.threshold_fraction * self.epsilon
         eps2 = self.epsilon - eps1
         thresholds = laplace(
@@ -141,11 +137,5 @@ class SparseVectorSelector:
             dtype=scores.dtype,
         ).add_(self.threshold)
         run = svt_brute if self.method == "brute" else svt_fast
-        sel = run(touched, scores, thresholds, num_rows=num_rows, query_scale=2 * score_sensitivity / eps2,
-                  generator=generator)
-        spend = SparseVectorSpend(
-            epsilon=self.epsilon,
-            cutoff=self.cutoff,
-            epsilon_release=self.epsilon_release if self.release_values else 0.0,
-        )
-        return sel, spend
+        return run(touched, scores, thresholds, num_rows=selectable_rows, query_scale=2 * score_sensitivity / eps2,
+                   generator=generator)
