@@ -190,11 +190,11 @@ def test_sample_distinct_is_a_uniform_ordered_sample(monkeypatch, dense_factor):
     assert law_pvalue(draws, law) > 1e-3
 
 
-@pytest.mark.parametrize("method", ["fast", "brute"])
+@pytest.mark.parametrize("method", ["sparse", "brute"])
 def test_untouched_rows_stay_candidates(monkeypatch, method):
     """All scores 0 (touched or not): every row, untouched included, is picked with probability 1/R."""
-    _dense_factor(monkeypatch, 0)  # the fast path even at R = 10
-    sel = ExponentialSelector(k=1, epsilon=1.0, score_clip=0.1, method=method, brute_below=0)
+    _dense_factor(monkeypatch, 0)  # the rejection id sampler even at R = 10
+    sel = ExponentialSelector(k=1, epsilon=1.0, score_clip=0.1, method=method)
     touched = torch.tensor([2, 5, 7])
     scores = torch.zeros(3)
     gen = torch.Generator().manual_seed(4)
@@ -203,6 +203,24 @@ def test_untouched_rows_stay_candidates(monkeypatch, method):
     obs = np.bincount(picks, minlength=10)
     assert stats.chisquare(obs).pvalue > 1e-3
     assert obs[[0, 1, 3, 4, 6, 8, 9]].sum() > 0.65 * 5_000  # ~7/10 untouched, not 0
+
+
+def test_method_names_say_which_sampler_runs(monkeypatch):
+    """auto: brute force on a small row space, the O(U + k) sampler on a large one; sparse and brute: always."""
+    calls = []
+    for f in ("gumbel_topk", "gumbel_topk_sparse"):
+        original = getattr(selection_exponential, f)
+        monkeypatch.setattr(selection_exponential, f, lambda *a, f=f, o=original, **kw: calls.append(f) or o(*a, **kw))
+    touched, scores = torch.tensor([1, 3]), torch.tensor([0.1, 0.0])
+    for method, rows, used in [("auto", 100, "gumbel_topk"), ("auto", 10**6, "gumbel_topk_sparse"),
+                               ("sparse", 100, "gumbel_topk_sparse"), ("brute", 10**5, "gumbel_topk")]:
+        calls.clear()
+        sel = ExponentialSelector(k=2, epsilon=1.0, score_clip=0.1, method=method)
+        sel.select(touched, scores, selectable_rows=rows, score_sensitivity=0.1, ctx=CTX,
+                   generator=torch.Generator().manual_seed(0))
+        assert calls == [used], (method, rows)
+    with pytest.raises(ValueError, match="method"):
+        ExponentialSelector(k=2, epsilon=1.0, score_clip=0.1, method="fast")
 
 
 # --------------------------------------------------------------------------------------------- sparse vector
@@ -358,7 +376,7 @@ def test_make_selector_and_spend_records():
 
 
 def test_exponential_k_equals_all_rows():
-    sel = ExponentialSelector(k=9, epsilon=1.0, score_clip=1.0, brute_below=0)
+    sel = ExponentialSelector(k=9, epsilon=1.0, score_clip=1.0, method="sparse")
     for _ in range(3):
         s = sel.select(torch.tensor([0, 4]), torch.tensor([0.5, 0.2]), selectable_rows=9, score_sensitivity=1.0,
                        ctx=CTX, generator=torch.Generator().manual_seed(11))

@@ -6,9 +6,10 @@ batch did not touch have score 0 and stay candidates (selecting only among touch
 were touched). Each selector returns the ``Spend`` it charges.
 
 - ``ExponentialSelector`` (``widedp.dp.selection.exponential``): k exponential-mechanism picks = Gumbel top-k of
-  ε''·u/(2Δu) + Gumbel(0,1); ``fast`` is O(U + k) (order statistics for the untouched rows), ``brute`` O(R).
+  ε''·u/(2Δu) + Gumbel(0,1); ``sparse`` is O(U + k) (order statistics for the untouched rows), ``brute`` O(R),
+  ``auto`` brute force on small row spaces.
 - ``SparseVectorSelector`` (``widedp.dp.selection.svt``): AboveThreshold with cutoff c over all rows in a fresh random
-  order; ``fast`` is O(U + c) (geometric skips over the untouched rows), ``brute`` O(R).
+  order; ``sparse`` is O(U + c) (geometric skips over the untouched rows), ``brute`` O(R).
 - ``GaussianThresholdSelector`` (``widedp.dp.selection.gaussian``): contribution counts + N(0, σ_sel²) > τ over all
   rows, false positives drawn exactly in O(expected count); a Gaussian mechanism folded into the step's noise.
 - ``UniformSelector``, ``RandomSparsificationSelector``, ``AllRowsSelector`` (``widedp.dp.selection.free``):
@@ -66,7 +67,7 @@ def _num_picks(cfg: ExponentialSelectionConfig | UniformSelectionConfig, num_row
 def _exponential(cfg: ExponentialSelectionConfig, num_rows: int) -> ExponentialSelector:
     return ExponentialSelector(
         k=_num_picks(cfg, num_rows), epsilon=cfg.epsilon, score_clip=cfg.score_clip, method=cfg.method,
-        brute_below=BRUTE_BELOW, score_kind=cfg.score,
+        score_kind=cfg.score,
     )
 
 
@@ -93,9 +94,6 @@ def _all(cfg: AllRowsConfig, num_rows: int) -> AllRowsSelector:
 def _gaussian_threshold(cfg: GaussianThresholdSelectionConfig, num_rows: int) -> GaussianThresholdSelector:
     return GaussianThresholdSelector(sigma=cfg.sigma, threshold=cfg.tau, max_rows=cfg.max_rows)
 
-
-#: Below this many rows the fast exponential selector perturbs all rows (same law, fewer ops; measured).
-BRUTE_BELOW = 4096
 
 _FACTORIES: dict[str, Callable[[Any, int], Selector]] = {
     "exponential": _exponential,

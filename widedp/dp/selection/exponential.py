@@ -1,9 +1,13 @@
 """The exponential mechanism over ALL R rows (privacy.md §2): k picks = Gumbel top-k of ε''·u/(2Δu) + Gumbel(0,1).
 
-``fast`` is O(U + k) and never touches O(R) memory: the m = R − U untouched rows share score 0, so their largest
-Gumbel keys are order statistics (X_i ~ Exp(1); E_1 = X_1/m, E_i = E_{i-1} + X_i/(m−i+1); G_(i) = −ln E_i) attached
-to uniformly random distinct untouched ids (a random ORDER matters: attaching them in sorted id order is biased).
-``brute`` (the reference) perturbs all R scores.
+Methods, all with the same output law (R = rows the selector ranges over, U = rows touched):
+- ``sparse`` (``gumbel_topk_sparse``) is O(U + k) and never touches O(R) memory: the m = R − U untouched rows share
+  score 0, so their largest Gumbel keys are order statistics (X_i ~ Exp(1); E_1 = X_1/m, E_i = E_{i-1} + X_i/(m−i+1);
+  G_(i) = −ln E_i) attached to uniformly random distinct untouched ids (a random ORDER matters: attaching them in
+  sorted id order is biased);
+- ``brute`` (``gumbel_topk``, the reference) perturbs all R scores;
+- ``auto`` (the default): ``brute`` when R <= ``BRUTE_BELOW`` or R <= 4(U + k) (there the sparse path's id sampler
+  is O(R) itself and brute force has fewer ops), else ``sparse``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from torch import Tensor
 from widedp.dp.noise import exponential, gumbel
 from widedp.dp.selection.base import _DENSE_FACTOR, ScoreKind, SelectionContext, dense_scores, sample_distinct
 from widedp.dp.spend import ExponentialSpend, Spend
+
+#: ``auto`` perturbs all rows up to this many (the same law, fewer ops there; measured).
+BRUTE_BELOW = 4096
 
 
 def gumbel_topk(logits: Tensor, k: int, *, generator: torch.Generator) -> Tensor:
@@ -50,17 +57,17 @@ def gumbel_topk_sparse(
 @dataclass(frozen=True)
 class ExponentialSelector:
     """k exponential-mechanism picks of ε'' each, score sensitivity Δu; charged ``ExponentialSpend(ε'', k)``.
-
-    ``brute_below``: the fast method still perturbs all rows when R <= this or R < 4(U + k) (the same law; fewer
-    ops there).
-    """
+    ``method``: ``auto`` | ``sparse`` | ``brute`` (module docstring)."""
 
     k: int
     epsilon: float
     score_clip: float
-    method: str = "fast"
-    brute_below: int = 0
+    method: str = "auto"
     score_kind: ScoreKind = "norm"
+
+    def __post_init__(self) -> None:
+        if self.method not in ("auto", "sparse", "brute"):
+            raise ValueError(f"method: expected auto, sparse or brute, got {self.method!r}")
 
     def key_scale(self, score_sensitivity: float) -> float:
         """The factor of u_r in the Gumbel keys: ε'' / (2Δu)."""
@@ -72,8 +79,9 @@ class ExponentialSelector:
     def select(self, touched: Tensor, scores: Tensor, *, selectable_rows: int, score_sensitivity: float,
                ctx: SelectionContext, generator: torch.Generator) -> Tensor:
         logits = scores * self.key_scale(score_sensitivity)
-        # the fast path's id sampler is O(R) itself when 4(U + k) > R: then brute force has fewer ops
         r = selectable_rows
-        if self.method == "brute" or r <= max(self.brute_below, _DENSE_FACTOR * (touched.numel() + self.k)):
+        if self.method == "brute" or (
+            self.method == "auto" and r <= max(BRUTE_BELOW, _DENSE_FACTOR * (touched.numel() + self.k))
+        ):
             return gumbel_topk(dense_scores(touched, logits, r), self.k, generator=generator)
         return gumbel_topk_sparse(touched, logits, num_rows=r, k=self.k, generator=generator)
