@@ -11,13 +11,6 @@ from scipy import stats
 
 import widedp.dp.selection.base as selection_base
 import widedp.dp.selection.exponential as selection_exponential
-from widedp.config import (
-    AllRowsConfig,
-    ExponentialSelectionConfig,
-    RandomSparsificationConfig,
-    SparseVectorSelectionConfig,
-    UniformSelectionConfig,
-)
 from widedp.dp.noise import laplace
 from widedp.dp.selection import (
     AllRowsSelector,
@@ -28,11 +21,9 @@ from widedp.dp.selection import (
     UniformSelector,
     gumbel_topk,
     gumbel_topk_sparse,
-    make_selector,
     sample_distinct,
 )
-from widedp.dp.spend import ExponentialSpend, FreeSpend, SparseVectorSpend
-from widedp.errors import ConfigError
+from widedp.dp.spend import FreeSpend
 
 CTX = SelectionContext(epoch=0, num_epochs=1)
 
@@ -341,38 +332,6 @@ def test_all_rows():
 
 
 # ------------------------------------------------------------------------------------------ factory, records
-
-
-def test_make_selector_and_spend_records():
-    gen = torch.Generator().manual_seed(10)
-    touched, scores = torch.tensor([0, 5]), torch.tensor([0.05, 0.01])
-    cases = [
-        (ExponentialSelectionConfig(k=3, epsilon=0.5), 3, ExponentialSpend(epsilon=0.5, picks=3)),
-        (ExponentialSelectionConfig(gamma=0.05, method="brute"), 5, ExponentialSpend(epsilon=1.0, picks=5)),
-        (SparseVectorSelectionConfig(cutoff=2, epsilon=3.0), None, SparseVectorSpend(epsilon=3.0, cutoff=2)),
-        (SparseVectorSelectionConfig(release_values=True, epsilon_release=0.2), None,
-         SparseVectorSpend(epsilon=1.0, cutoff=1, epsilon_release=0.2)),
-        (UniformSelectionConfig(gamma=0.001), 1, FreeSpend("uniform")),
-        (RandomSparsificationConfig(final_rate=0.5), 50, FreeSpend("random_sparsification")),  # E = 1: final rate
-        (AllRowsConfig(), 100, FreeSpend("all")),
-    ]
-    for cfg, k, spend in cases:
-        sel = make_selector(cfg, num_rows=100)
-        assert sel.score_clip == getattr(cfg, "score_clip", None)
-        for t in (touched, touched[:0]):  # also an empty batch: nothing touched
-            s = sel.select(t, scores[: t.numel()], selectable_rows=100, score_sensitivity=0.05, ctx=CTX,
-                           generator=gen)
-            assert sel.spend() == spend, cfg
-            assert s.dtype == torch.long and s.unique().numel() == s.numel()
-            assert ((s >= 0) & (s < 100)).all()
-            if k is not None:
-                assert s.numel() == k
-            else:
-                assert s.numel() <= cfg.cutoff
-    with pytest.raises(ConfigError, match="dp.selection.k"):
-        make_selector(ExponentialSelectionConfig(k=101), num_rows=100)
-    with pytest.raises(ConfigError, match="dp.selection.k"):
-        make_selector(UniformSelectionConfig(k=101), num_rows=100)
 
 
 def test_exponential_k_equals_all_rows():
