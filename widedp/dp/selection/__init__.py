@@ -3,7 +3,8 @@
 Every selector sees the rows the batch touched and their scores (``Selector.score_kind``: gradient norms
 u_r = min(||ĝ_r||, S0), sample counts, or ℓ2-normalised contribution counts; ``widedp.dp.selection.scores``); rows the
 batch did not touch have score 0 and stay candidates (selecting only among touched rows would publish which rows
-were touched). Each selector returns the ``Spend`` it charges.
+were touched). Each selector states once what a step of it spends (``Selector.spend()``); ``select`` draws the
+rows among the ``selectable_rows`` it is handed (the model's R rows less those selected every step).
 
 - ``ExponentialSelector`` (``widedp.dp.selection.exponential``): k exponential-mechanism picks = Gumbel top-k of
   ε''·u/(2Δu) + Gumbel(0,1); ``sparse`` is O(U + k) (order statistics for the untouched rows), ``brute`` O(R),
@@ -106,7 +107,8 @@ _FACTORIES: dict[str, Callable[[Any, int], Selector]] = {
 
 
 def make_selector(cfg: SelectionConfig, *, num_rows: int) -> Selector:
-    """The selector a ``dp.selection`` config describes, over R = ``num_rows`` rows."""
+    """The selector a ``dp.selection`` config describes; ``num_rows`` is the R that ``gamma`` is a fraction of and
+    that ``k`` may not exceed."""
     if cfg.name not in _FACTORIES:
         raise ConfigError(f"dp.selection.name: unknown selection {cfg.name!r}")
     return _FACTORIES[cfg.name](cfg, num_rows)
