@@ -2,12 +2,16 @@
 
     .venv/bin/python bench/bench_sampler.py                    # n=200K and n=1.5M at b=1000, JSON to bench/out/
     .venv/bin/python bench/bench_sampler.py --steps 4096 --cases 200000:1000
+    NLTK_DATA=../shared/nltk_data .venv/bin/python bench/bench_sampler.py --job 300   # + the default job, 300 steps
 
 Each (implementation, n, b) runs in its own subprocess (1 torch thread), so peak RSS is that process's ru_maxrss:
 it draws ``--steps`` consecutive batches (whole chunks of 1024 steps) and reports ms/step (wall time of the draws,
 chunk draws included, over the steps), the peak RSS over the process's RSS before the first draw, and the bytes of
 tensor storage one chunk's batches keep alive. ``old`` is the sampler before issue 17: a step whose i.i.d. ids
 collide was redrawn as ``randperm(n)[:m]``, a slice that keeps the whole n-long permutation alive.
+``--job STEPS`` also runs the README's default job (``widedp train configs/brown_cbow_sparse_exp.yaml``: n=200K,
+b=1000) for STEPS steps with each sampler (``widedp.train.PoissonSampler`` replaced by the old one), in its own
+subprocess: peak RSS, the process's CPU seconds (user + system) and the summary's training samples/s.
 """
 
 from __future__ import annotations
@@ -77,16 +81,40 @@ def one_case(impl: str, n: int, b: int, steps: int) -> dict:
             "peak_rss_increase_mb": (peak - rss0) / 2**20, "chunk_storage_mb": sum(live.values()) / 2**20}
 
 
+def one_job(impl: str, steps: int, out: str) -> dict:
+    """Runs inside a subprocess: the default job through the CLI, for ``steps`` steps."""
+    from widedp import train
+    from widedp.cli import main as cli_main
+
+    if impl == "old":
+        train.PoissonSampler = OldPoissonSampler  # type: ignore[misc]
+    t0 = time.perf_counter()
+    rc = cli_main(["train", str(ROOT / "configs" / "brown_cbow_sparse_exp.yaml"), "--out", out, "--overwrite",
+                   "--no-progress", "--set", f"train.max_steps={steps}", "--set", f"data.cache_dir={OUT / 'cache'}"])
+    summary = json.loads((Path(out) / "summary.json").read_text()) if rc == 0 else {}
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"impl": impl, "job": "brown_cbow_sparse_exp", "steps": steps, "rc": rc,
+            "wall_s": time.perf_counter() - t0, "cpu_s": ru.ru_utime + ru.ru_stime,
+            "samples_per_s": summary.get("samples_per_s"),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=["200000:1000", "1500000:1000"], metavar="N:B")
     ap.add_argument("--steps", type=int, default=2048, help="steps per measure (a multiple of 1024: whole chunks)")
+    ap.add_argument("--job", type=int, default=0, metavar="STEPS", help="also the default job for STEPS steps")
     ap.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--one-job", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.one:
         impl, n, b, s = args.one
         print(json.dumps(one_case(impl, int(n), int(b), int(s))))
+        return
+    if args.one_job:
+        impl, s, out = args.one_job
+        print(json.dumps(one_job(impl, int(s), out)))
         return
     rows, ratios = [], {}
     for case in args.cases:
@@ -106,6 +134,21 @@ def main() -> None:
                 "peak_rss_increase_old_over_new": by["old"]["peak_rss_increase_mb"]
                 / max(by["new"]["peak_rss_increase_mb"], 1e-9),
                 "peak_rss_saved_mb": by["old"]["peak_rss_mb"] - by["new"]["peak_rss_mb"]}
+    if args.job:
+        OUT.mkdir(parents=True, exist_ok=True)
+        job = {}
+        for impl in ("old", "new"):
+            cmd = [sys.executable, __file__, "--one-job", impl, str(args.job), str(OUT / f"job_{impl}")]
+            r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            job[impl] = (json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0
+                         else {"impl": impl, "error": (r.stderr.strip().splitlines() or [""])[-1]})
+            rows.append(job[impl])
+            print(json.dumps(job[impl]), flush=True)
+        if all(j.get("rc") == 0 for j in job.values()):
+            ratios["default_job"] = {"peak_rss_saved_mb": job["old"]["peak_rss_mb"] - job["new"]["peak_rss_mb"],
+                                     "cpu_s_old_over_new": job["old"]["cpu_s"] / job["new"]["cpu_s"],
+                                     "samples_per_s_new_over_old": job["new"]["samples_per_s"]
+                                     / job["old"]["samples_per_s"]}
     out = {"torch": torch.__version__, "threads": 1, "steps": args.steps, "rows": rows, "ratios": ratios}
     print(json.dumps(ratios, indent=2))
     OUT.mkdir(parents=True, exist_ok=True)
