@@ -16,6 +16,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -122,8 +123,9 @@ std::vector<int64_t> order_by_row(const int64_t* rows, int64_t n, int64_t num_ro
 
 // Per-sample clip factors (clip_per_sample's semantics). weight[j]: 0 for a sample with a NaN/inf entry,
 // 1 for a kept one, clip1 / ||g_j|| for a clipped one (double: the clipped values are formed in double and
-// rounded once). The norm is taken in units of 2^e, e = ilogb(max |entry|), so 1e30 entries (float32) or 1e300
-// (float64) neither overflow nor underflow when squared; the sum of squares is accumulated in double.
+// rounded once). Squares are summed in double: float32 squares cannot overflow or underflow there, so float32
+// needs one pass (a NaN/inf entry makes the sum non-finite); float64 is summed in units of 2^e,
+// e = ilogb(max |entry|) (a first pass), so that 1e300 entries neither overflow nor underflow when squared.
 template <typename T>
 void clip_factors(const T* x, const int64_t* off, int64_t B, int64_t D, double clip1, double* weight,
                   bool* clipped, bool* nonfinite, int64_t* sample_of) {
@@ -132,23 +134,27 @@ void clip_factors(const T* x, const int64_t* off, int64_t B, int64_t D, double c
       for (int64_t i = off[j]; i < off[j + 1]; ++i) sample_of[i] = j;
       const T* p = x + off[j] * D;
       const int64_t n = (off[j + 1] - off[j]) * D;
-      int bad = 0;
-      const T top = scan_hot(p, n, &bad);
-      nonfinite[j] = bad;
-      clipped[j] = false;
-      weight[j] = bad ? 0.0 : 1.0;
-      if (bad || top == 0) continue;
-      const int e = std::ilogb(top);
-      const double scale = std::ldexp(1.0, e);
+      int bad = 0, e = 0;  // norm = 2^e sqrt(s)
       double s = 0;
-      if (e > -1000) {  // 2^-e is a finite double
-        s = sumsq_hot(p, n, std::ldexp(1.0, -e));
-      } else {  // float64 samples below 2^-1000: divide (exact) instead
-        for (int64_t i = 0; i < n; ++i) s += (double(p[i]) / scale) * (double(p[i]) / scale);
+      if constexpr (std::is_same_v<T, float>) {
+        s = sumsq_hot(p, n, 1.0);
+        bad = !std::isfinite(s);
+      } else {
+        const T top = scan_hot(p, n, &bad);
+        if (!bad && top > 0) {
+          e = std::ilogb(top);
+          if (e > -1000) {  // 2^-e is a finite double
+            s = sumsq_hot(p, n, std::ldexp(1.0, -e));
+          } else {  // below 2^-1000: divide by 2^e (exact) instead
+            const double scale = std::ldexp(1.0, e);
+            for (int64_t i = 0; i < n; ++i) s += (double(p[i]) / scale) * (double(p[i]) / scale);
+          }
+        }
       }
-      // The reference decides in T: scale * sqrt(sumsq) > clip1, an overflow to inf counting as clipped.
-      clipped[j] = T(scale) * std::sqrt(T(s)) > T(clip1);
-      if (clipped[j]) weight[j] = std::ldexp(clip1 / std::sqrt(s), -e);  // = clip1 / (scale * sqrt(s))
+      nonfinite[j] = bad;
+      // The reference decides in T: norm > clip1, a norm that overflows T (inf) counting as clipped.
+      clipped[j] = !bad && T(std::ldexp(std::sqrt(s), e)) > T(clip1);
+      weight[j] = bad ? 0.0 : clipped[j] ? std::ldexp(clip1 / std::sqrt(s), -e) : 1.0;
     }
   });
 }
