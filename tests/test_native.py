@@ -66,6 +66,23 @@ def test_clip_aggregate_equals_reference_on_random_jagged_batches(dtype, B, R, D
         assert_matches(g, clip1=clip1, b=float(B))
 
 
+def test_threads_do_not_change_the_result():
+    g = jagged(torch.Generator().manual_seed(5), B=300, R=5000, D=33, max_len=20)
+    tables = [(0, torch.randn(3000, 33)), (3000, torch.randn(2000, 33))]
+    grad = SparseRows(torch.randperm(5000)[:700], torch.randn(700, 33), 5000)
+    out = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            copy = [(off, w.clone()) for off, w in tables]
+            LazyAdam(copy, lr=0.1, betas=(0.9, 0.999), eps=1e-8, fused=True).step(grad)
+            out.append((*clip_aggregate(g, clip1=0.7, batch_size=300.0, fused=True)[:2], *(w for _, w in copy)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
 def test_empty_batch_and_empty_samples():
     for B in (0, 4):
         g = PerSampleRows(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long), torch.zeros(B + 1, dtype=torch.long), 9)

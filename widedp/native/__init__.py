@@ -78,6 +78,9 @@ def build(*, quiet: bool = False) -> Path:
             os.replace(tmp, out)  # atomic: a reader sees a whole library or none
         finally:
             tmp.unlink(missing_ok=True)
+        for old in out.parent.glob("widedp_fused_*.so"):  # other sources / torch versions (a loaded one stays mapped)
+            if old != out:
+                old.unlink(missing_ok=True)
     return out
 
 
