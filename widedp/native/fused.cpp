@@ -1,7 +1,7 @@
 // Fused CPU kernels for the DP step (issue 17), registered as torch.ops.widedp.*.
 //
-// clip_aggregate: per-sample clip at S1 + (1/b) sum over rows, in one pass over the samples (norms) and one
-//   sort/segment pass over the rows; the clipped [nnz, D] values are never materialised.
+// clip_aggregate: per-sample clip at S1 + (1/b) sum over rows: one radix sort of the row ids, then one pass over
+//   the samples (norm, then its rows added into ghat); the clipped [nnz, D] values are never materialised.
 // lazy_adam_:     the moment and weight update of the selected rows of every table, in place.
 //
 // The reference semantics are the PyTorch functions widedp/clipping.py (clip_per_sample, aggregate) and
@@ -94,12 +94,24 @@ CLONE(float)
 CLONE(double)
 #undef CLONE
 
-// Stable LSD radix sort of the pair indices by row id: ties keep pair order, so each row's sum below adds its
-// pairs in the same order as the reference's index_add_. Digits of <= 12 bits (a 32 KiB count table);
-// 1 pass up to 4096 rows, 2 passes up to 16.7M.
-std::vector<int64_t> order_by_row(const int64_t* rows, int64_t n, int64_t num_rows) {
-  std::vector<int64_t> idx(n), key(rows, rows + n), idx2(n), key2(n);
-  for (int64_t i = 0; i < n; ++i) idx[i] = i;
+// Per-call scratch, kept per thread and only grown: a fresh multi-MB buffer per call costs more in page faults
+// than the sums themselves.
+struct Scratch {
+  std::vector<int64_t> key, key2, idx, idx2, slot, uniq;
+  std::vector<double> weight;
+};
+
+// slot[i]: the rank of pair i's row among the distinct rows; returns the distinct rows, ascending. A stable LSD
+// radix sort of the pairs by row id, digits of <= 12 bits (a 32 KiB count table): 1 pass up to 4096 rows,
+// 2 up to 16.7M.
+const std::vector<int64_t>& rank_rows(const int64_t* rows, int64_t n, int64_t num_rows, Scratch& s) {
+  s.key.assign(rows, rows + n);
+  s.key2.resize(n);
+  s.idx.resize(n);
+  s.idx2.resize(n);
+  s.slot.resize(n);
+  s.uniq.clear();
+  for (int64_t i = 0; i < n; ++i) s.idx[i] = i;
   int bits = 0;
   while (bits < 63 && (int64_t(1) << bits) < num_rows) ++bits;
   const int passes = (bits + 11) / 12;
@@ -108,57 +120,57 @@ std::vector<int64_t> order_by_row(const int64_t* rows, int64_t n, int64_t num_ro
   for (int shift = 0; shift < bits; shift += width) {
     const int64_t mask = (int64_t(1) << width) - 1;
     std::fill(count.begin(), count.end(), 0);
-    for (int64_t i = 0; i < n; ++i) ++count[((key[i] >> shift) & mask) + 1];
+    for (int64_t i = 0; i < n; ++i) ++count[((s.key[i] >> shift) & mask) + 1];
     for (size_t d = 1; d < count.size(); ++d) count[d] += count[d - 1];
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t at = count[(key[i] >> shift) & mask]++;
-      key2[at] = key[i];
-      idx2[at] = idx[i];
+      const int64_t at = count[(s.key[i] >> shift) & mask]++;
+      s.key2[at] = s.key[i];
+      s.idx2[at] = s.idx[i];
     }
-    key.swap(key2);
-    idx.swap(idx2);
+    s.key.swap(s.key2);
+    s.idx.swap(s.idx2);
   }
-  return idx;
+  for (int64_t p = 0; p < n; ++p) {
+    if (p == 0 || s.key[p] != s.key[p - 1]) s.uniq.push_back(s.key[p]);
+    s.slot[s.idx[p]] = int64_t(s.uniq.size()) - 1;
+  }
+  return s.uniq;
 }
 
-// Per-sample clip factors (clip_per_sample's semantics). weight[j]: 0 for a sample with a NaN/inf entry,
-// 1 for a kept one, clip1 / ||g_j|| for a clipped one (double: the clipped values are formed in double and
-// rounded once). Squares are summed in double: float32 squares cannot overflow or underflow there, so float32
-// needs one pass (a NaN/inf entry makes the sum non-finite); float64 is summed in units of 2^e,
-// e = ilogb(max |entry|) (a first pass), so that 1e300 entries neither overflow nor underflow when squared.
+// A sample's clip weight (clip_per_sample's semantics): 0 if an entry is NaN/inf, 1 if kept, clip1 / ||g_j|| if
+// clipped (in double: a clipped value is formed in double and rounded once). Squares are summed in double:
+// float32 squares cannot overflow or underflow there, so float32 needs one pass (a NaN/inf entry makes the sum
+// non-finite); float64 is summed in units of 2^e, e = ilogb(max |entry|) (a first pass), so that 1e300 entries
+// neither overflow nor underflow when squared.
 template <typename T>
-void clip_factors(const T* x, const int64_t* off, int64_t B, int64_t D, double clip1, double* weight,
-                  bool* clipped, bool* nonfinite, int64_t* sample_of) {
-  at::parallel_for(0, B, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t j = lo; j < hi; ++j) {
-      for (int64_t i = off[j]; i < off[j + 1]; ++i) sample_of[i] = j;
-      const T* p = x + off[j] * D;
-      const int64_t n = (off[j + 1] - off[j]) * D;
-      int bad = 0, e = 0;  // norm = 2^e sqrt(s)
-      double s = 0;
-      if constexpr (std::is_same_v<T, float>) {
-        s = sumsq_hot(p, n, 1.0);
-        bad = !std::isfinite(s);
-      } else {
-        const T top = scan_hot(p, n, &bad);
-        if (!bad && top > 0) {
-          e = std::ilogb(top);
-          if (e > -1000) {  // 2^-e is a finite double
-            s = sumsq_hot(p, n, std::ldexp(1.0, -e));
-          } else {  // below 2^-1000: divide by 2^e (exact) instead
-            const double scale = std::ldexp(1.0, e);
-            for (int64_t i = 0; i < n; ++i) s += (double(p[i]) / scale) * (double(p[i]) / scale);
-          }
-        }
+double sample_weight(const T* p, int64_t n, double clip1, bool* clipped, bool* nonfinite) {
+  int bad = 0, e = 0;  // norm = 2^e sqrt(s)
+  double s = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    s = sumsq_hot(p, n, 1.0);
+    bad = !std::isfinite(s);
+  } else {
+    const T top = scan_hot(p, n, &bad);
+    if (!bad && top > 0) {
+      e = std::ilogb(top);
+      if (e > -1000) {  // 2^-e is a finite double
+        s = sumsq_hot(p, n, std::ldexp(1.0, -e));
+      } else {  // below 2^-1000: divide by 2^e (exact) instead
+        const double scale = std::ldexp(1.0, e);
+        for (int64_t i = 0; i < n; ++i) s += (double(p[i]) / scale) * (double(p[i]) / scale);
       }
-      nonfinite[j] = bad;
-      // The reference decides in T: norm > clip1, a norm that overflows T (inf) counting as clipped.
-      clipped[j] = !bad && T(std::ldexp(std::sqrt(s), e)) > T(clip1);
-      weight[j] = bad ? 0.0 : clipped[j] ? std::ldexp(clip1 / std::sqrt(s), -e) : 1.0;
     }
-  });
+  }
+  *nonfinite = bad;
+  // The reference decides in T: norm > clip1, a norm that overflows T (inf) counting as clipped.
+  *clipped = !bad && T(std::ldexp(std::sqrt(s), e)) > T(clip1);
+  return bad ? 0.0 : *clipped ? std::ldexp(clip1 / std::sqrt(s), -e) : 1.0;
 }
 
+// ghat[slot[i]] += a * w_j * x_i for every pair i in pair order, as the reference's index_add_ (so the sums agree
+// bit for bit where nothing is clipped). One thread: sample by sample, norm then sums, while the sample's values
+// are in cache (values are read from memory once). More threads: the norms in parallel over samples, then the sums
+// in parallel over column blocks (each thread walks every pair in order over its columns): the same bits.
 template <typename T>
 std::tuple<Tensor, Tensor, Tensor, Tensor> clip_aggregate_impl(const Tensor& values, const Tensor& rows,
                                                                const Tensor& offsets, int64_t num_rows,
@@ -166,38 +178,42 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clip_aggregate_impl(const Tensor& val
   const int64_t B = offsets.numel() - 1, nnz = values.size(0), D = values.size(1);
   const T* x = values.const_data_ptr<T>();
   const int64_t* off = offsets.const_data_ptr<int64_t>();
-  const int64_t* r = rows.const_data_ptr<int64_t>();
-  auto clipped = at::empty({B}, offsets.options().dtype(at::kBool));
-  auto nonfinite = at::empty({B}, offsets.options().dtype(at::kBool));
-  std::vector<double> weight(B);
-  std::vector<int64_t> sample_of(nnz);
-  clip_factors<T>(x, off, B, D, clip1, weight.data(), clipped.mutable_data_ptr<bool>(),
-                  nonfinite.mutable_data_ptr<bool>(), sample_of.data());
-
-  const std::vector<int64_t> order = order_by_row(r, nnz, num_rows);
-  std::vector<int64_t> start;  // start[u]: first position in `order` of the u-th distinct row
-  for (int64_t p = 0; p < nnz; ++p)
-    if (p == 0 || r[order[p]] != r[order[p - 1]]) start.push_back(p);
-  const int64_t U = start.size();
-  start.push_back(nnz);
+  thread_local Scratch scratch;
+  const std::vector<int64_t>& uniq = rank_rows(rows.const_data_ptr<int64_t>(), nnz, num_rows, scratch);
+  const int64_t U = uniq.size();
+  const int64_t* slot = scratch.slot.data();
   auto touched = at::empty({U}, rows.options());
-  auto ghat = at::empty({U, D}, values.options());
-  int64_t* t = touched.mutable_data_ptr<int64_t>();
+  std::copy(uniq.begin(), uniq.end(), touched.mutable_data_ptr<int64_t>());
+  auto ghat = at::zeros({U, D}, values.options());
+  auto clipped_t = at::empty({B}, offsets.options().dtype(at::kBool));
+  auto nonfinite_t = at::empty({B}, offsets.options().dtype(at::kBool));
+  bool* clipped = clipped_t.mutable_data_ptr<bool>();
+  bool* nonfinite = nonfinite_t.mutable_data_ptr<bool>();
   T* out = ghat.mutable_data_ptr<T>();
   const T a = T(alpha);  // the reference's index_add_(alpha=1/b) rounds alpha to T as well
-  at::parallel_for(0, U, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t u = lo; u < hi; ++u) {
-      T* o = out + u * D;
-      t[u] = r[order[start[u]]];
-      for (int64_t d = 0; d < D; ++d) o[d] = 0;
-      for (int64_t p = start[u]; p < start[u + 1]; ++p) {
-        const int64_t i = order[p];
-        const double w = weight[sample_of[i]];
-        if (w != 0.0) axpy_hot(o, x + i * D, a, w, D);  // a zeroed (non-finite) sample would add +0: nothing
-      }
+  auto add = [&](int64_t j, double w, int64_t d0, int64_t d1) {
+    if (w == 0.0) return;  // a zeroed (non-finite) sample would add +0: nothing
+    for (int64_t i = off[j]; i < off[j + 1]; ++i) axpy_hot(out + slot[i] * D + d0, x + i * D + d0, a, w, d1 - d0);
+  };
+  if (at::get_num_threads() == 1 || at::in_parallel_region() || nnz * D < (1 << 15)) {
+    for (int64_t j = 0; j < B; ++j) {
+      const int64_t n = (off[j + 1] - off[j]) * D;
+      add(j, sample_weight(x + off[j] * D, n, clip1, &clipped[j], &nonfinite[j]), 0, D);
     }
-  });
-  return {touched, ghat, clipped, nonfinite};
+  } else {
+    std::vector<double>& weight = scratch.weight;
+    weight.resize(B);
+    at::parallel_for(0, B, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t j = lo; j < hi; ++j)
+        weight[j] = sample_weight(x + off[j] * D, (off[j + 1] - off[j]) * D, clip1, &clipped[j], &nonfinite[j]);
+    });
+    const int64_t blocks = std::min<int64_t>(at::get_num_threads(), (D + 15) / 16), width = (D + blocks - 1) / blocks;
+    at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t c = lo; c < hi; ++c)
+        for (int64_t j = 0; j < B; ++j) add(j, weight[j], c * width, std::min(D, (c + 1) * width));
+    });
+  }
+  return {touched, ghat, clipped_t, nonfinite_t};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> clip_aggregate(const Tensor& values_, const Tensor& rows_,
