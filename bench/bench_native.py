@@ -175,7 +175,7 @@ def step_only(data: Any, steps: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ large batches
 
 
-def large_case(V: int, batch: int, dim: int, k: int, steps: int) -> dict[str, Any]:
+def large_case(V: int, batch: int, dim: int, k: int, steps: int, alternations: int) -> dict[str, Any]:
     from widedp.clipping import clip_aggregate
     from widedp.config import ExponentialSelectionConfig
     from widedp.models.cbow import CBOW, CBOWBatch
@@ -220,7 +220,7 @@ def large_case(V: int, batch: int, dim: int, k: int, steps: int) -> dict[str, An
 
     row: dict[str, Any] = {"vocab": V, "batch": batch, "dim": dim, "k": k, "nnz": grads[0].values.shape[0]}
     for name, fn in (("step", full), ("clip_aggregate", clip_agg), ("lazy_adam", adam)):
-        for _ in range(2):  # alternate the two paths twice; keep each one's best
+        for _ in range(alternations):  # alternate the two paths; keep each one's best (load drifts)
             for fused in (True, False):
                 state["fused"] = opt.fused = fused
                 key = f"{name}_ms_{'fused' if fused else 'reference'}"
@@ -250,6 +250,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--k", type=int, default=1024)
     ap.add_argument("--large-steps", type=int, default=10)
+    ap.add_argument("--alternations", type=int, default=3, help="large: fused/reference alternations (best kept)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from widedp import native
@@ -265,8 +266,8 @@ def main() -> None:
         print(json.dumps(out["paper"], indent=1), flush=True)
     if args.part in ("large", "both"):
         print(f"large batches D={args.dim} k={args.k}:", flush=True)
-        out["large"] = [large_case(int(v), b, args.dim, args.k, args.large_steps) for v in args.vocab
-                        for b in args.batch]
+        out["large"] = [large_case(int(v), b, args.dim, args.k, args.large_steps, args.alternations)
+                        for v in args.vocab for b in args.batch]
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / "bench_native.json"
     if path.is_file():  # keep the other part's figures from an earlier run

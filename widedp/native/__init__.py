@@ -12,7 +12,6 @@ flags and the torch version, so an edit or a torch upgrade rebuilds; concurrent 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import subprocess
@@ -25,7 +24,7 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("fused.cpp")
-_state: dict[str, object] = {}  # "ok": bool once load() ran; "why": the reason it is not available
+_state: dict[str, object] = {}  # "ok": bool once available() ran; "why": the reason it is not available
 
 
 def build_dir() -> Path:
@@ -61,7 +60,11 @@ def build(*, quiet: bool = False) -> Path:
     Raises:
         RuntimeError: the compiler failed (its last lines in the message).
     """
+    import fcntl  # POSIX only: elsewhere this raises inside available(), which then falls back
+
     out = library_path()
+    if out.exists():  # built (possibly in a read-only environment)
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same file
