@@ -13,9 +13,9 @@ large: synthetic Zipf CBOW batches (D=128, 8 negatives, tied table, exponential 
     (per-sample grads + dp_step + optimizer) fused vs reference, alternating on one model and one optimizer, and
     the clip + aggregate part and the optimizer part alone.
 Both parts count, for one clip + aggregate (large: also for one whole step), the ATen calls, the bytes read +
-written by them (each op's input and output tensors; the native op reads ``values`` twice) and the fresh
-allocations of >= [nnz, D] elements (a TorchDispatchMode); the minimum is reading values, rows, offsets once and
-writing touched and ghat.
+written by them (each op's whole input and output tensors: an upper bound, a gather counts its whole table; the
+native op counted as reading ``values`` twice) and the fresh allocations of >= [nnz, D] elements (a
+TorchDispatchMode); the minimum is reading values, rows, offsets once and writing touched and ghat.
 Torch runs on 1 thread. JSON: bench/out/bench_native.json.
 """
 
@@ -120,9 +120,10 @@ def paper(steps: int, log_every: int, rounds: int) -> dict[str, Any]:
                                  log_every=every, cache_dir=None, optimizer=opt)
                 with reference_path() if path == "reference" else _nothing():
                     train(cfg, Path(tmp) / f"{name}-{r}", progress=False, data=data)
-                rate = max(_rate(Path(tmp) / f"{name}-{r}"), res.get(name, {}).get("samples_per_s", 0.0))
-                res[name] = {"samples_per_s": rate, "ms_per_step": 1e3 * 20 / rate}
+                rate = _rate(Path(tmp) / f"{name}-{r}")
                 print(f"  round {r}: {name:22s} {rate:9.0f} samples/s ({1e3 * 20 / rate:.3f} ms/step)", flush=True)
+                rate = max(rate, res.get(name, {}).get("samples_per_s", 0.0))
+                res[name] = {"samples_per_s": rate, "ms_per_step": 1e3 * 20 / rate}
     base = res["opacus-dpsgd"]["samples_per_s"]
     for r in res.values():
         r["x_opacus"] = r["samples_per_s"] / base
