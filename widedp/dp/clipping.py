@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from widedp import native
 from widedp.dp.rowgrads import PerSampleRows
 
 
@@ -115,6 +116,18 @@ def aggregate(g: PerSampleRows, *, batch_size: float) -> tuple[Tensor, Tensor]:
     ghat = g.values.new_zeros(touched.numel(), g.values.shape[1])
     ghat.index_add_(0, inv, g.values, alpha=1.0 / batch_size)
     return touched, ghat
+
+
+def clip_aggregate(g: PerSampleRows, *, clip1: float, batch_size: float,
+                   fused: bool | None = None) -> tuple[Tensor, Tensor, ClipInfo]:
+    """``clip_per_sample`` then ``aggregate``: touched [U], ghat [U, D] and ``ClipInfo``. ``fused``: one native CPU
+    pass (``widedp.native``; None: when available and ``g`` is on the CPU; False: these PyTorch functions)."""
+    if native.use(fused, g.values):
+        touched, ghat, clipped, nonfinite = native.clip_aggregate(
+            g.values, g.rows, g.offsets, num_rows=g.num_rows, clip1=clip1, batch_size=batch_size)
+        return touched, ghat, ClipInfo(clipped, nonfinite)
+    clipped_g, info = clip_per_sample(g, clip1=clip1)
+    return *aggregate(clipped_g, batch_size=batch_size), info
 
 
 def restrict(touched: Tensor, ghat: Tensor, selected: Tensor) -> tuple[Tensor, Tensor]:

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from widedp import native
 from widedp.dp.rowgrads import SparseRows
 from widedp.errors import ConfigError
 
@@ -116,15 +117,25 @@ class RowSGD(_Base):
 
 
 class LazyAdam(_Base):
-    """Adam on the given rows only, with per-row step counters (see the module docstring)."""
+    """Adam on the given rows only, with per-row step counters (see the module docstring).
+
+    ``fused``: update every table in one native CPU call (``widedp.native``; None: when available and the tables
+    are contiguous CPU tensors; False: the op-by-op PyTorch update, the reference).
+    """
 
     #: Longest bias-correction table (rows); beyond its last entry both corrections are exactly 1 in float64.
     MAX_TABLE = 1 << 20
 
-    def __init__(self, tables: Tables, *, lr: float, betas: tuple[float, float], eps: float) -> None:
+    def __init__(self, tables: Tables, *, lr: float, betas: tuple[float, float], eps: float,
+                 fused: bool | None = None) -> None:
         super().__init__(tables, lr=lr)
         self.b1, self.b2 = betas
         self.eps = eps
+        weights = [w for _, w in self.tables]
+        if fused is None and not all(w.is_contiguous() for w in weights):
+            fused = False
+        self.fused = native.use(fused, *weights)
+        self._bound_list = self._bounds.tolist()
         # m and v of a table stacked as [n, 2, D]: one gather and one scatter per step instead of two each
         self.moments = [w.new_zeros(w.shape[0], 2, w.shape[1]) for _, w in self.tables]
         self.steps = [torch.zeros(w.shape[0], dtype=torch.long, device=w.device) for _, w in self.tables]
@@ -152,6 +163,10 @@ class LazyAdam(_Base):
 
     @torch.no_grad()
     def step(self, grad: SparseRows) -> None:
+        if self.fused:
+            native.lazy_adam_([w for _, w in self.tables], self.moments, self.steps, self._bound_list, grad.rows,
+                              grad.values, self._table, lr=self.lr, betas=(self.b1, self.b2), eps=self.eps)
+            return
         for i, rows, g in _split(self.tables, self._bounds, grad):
             w, mom, cnt = self.tables[i][1], self.moments[i], self.steps[i]
             t = cnt.index_select(0, rows).add_(1)

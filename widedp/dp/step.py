@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from widedp.dp.clipping import aggregate, clip_l2, clip_per_sample, restrict
+from widedp.dp.clipping import clip_aggregate, clip_l2, restrict
 from widedp.dp.noise import gaussian_noise, sensitivity
 from widedp.dp.rowgrads import PerSampleRows, SparseRows
 from widedp.dp.selection import SelectionContext, Selector
@@ -73,6 +73,7 @@ def dp_step(
     ctx: SelectionContext,
     generator: torch.Generator,
     always_rows: int | None = None,
+    fused: bool | None = None,
 ) -> StepResult:
     """One DP step on a Poisson(q) batch of per-sample row gradients (B may be 0).
 
@@ -88,10 +89,11 @@ def dp_step(
     mechanism ranges over [0, R − A) only. Their inclusion is data-independent, so it spends no selection budget;
     they are still part of each sample's S1 clip, of Δ̂'s S2 clip and get the same N(0, (σΔ₂)²) noise, so Δ₂ and
     the spend are unchanged. A = 0 is exactly the step without this option.
+
+    ``fused``: clip and aggregate in one native CPU pass (``clipping.clip_aggregate``; None: when available).
     """
     n_always = getattr(g, "always_rows", 0) if always_rows is None else always_rows
-    clipped, clip = clip_per_sample(g, clip1=clip1)  # nothing non-finite from here on
-    touched, ghat = aggregate(clipped, batch_size=batch_size)  # [U], [U, D]
+    touched, ghat, clip = clip_aggregate(g, clip1=clip1, batch_size=batch_size, fused=fused)  # [U], [U, D]; finite
     selectable, sel_touched, sel_ghat = g.num_rows - n_always, touched, ghat
     if n_always:
         u = int(torch.searchsorted(touched, selectable))  # touched is sorted: the selectable ones come first
