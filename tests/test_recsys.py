@@ -24,7 +24,7 @@ from widedp.dp.spend import ExponentialSpend
 from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysBatch, RecsysModel, make_kjt
-from widedp.run import budget
+from widedp.run.epsilon import epsilon_report
 from widedp.run.train import train
 from widedp.tasks.recsys import build_model
 
@@ -199,7 +199,7 @@ def test_dp_training_learns_and_spends(tmp_path):
     model = build_model(json.loads((tmp_path / "run" / "features.json").read_text())["cardinality"], cfg.model,
                         seed=0)
     assert set(sel) == {40 + model.num_dense_rows}
-    rep = budget.epsilon_report(cfg)
+    rep = epsilon_report(cfg)
     assert rep["n_train"] == 4200 and rep["epsilon"] == pytest.approx(s["dp"]["epsilon"], rel=1e-6)
 
 
