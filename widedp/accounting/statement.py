@@ -66,22 +66,22 @@ class PrivacyStatement:
         return d
 
 
-def unit_and_gaps(cfg: Any) -> tuple[str, tuple[str, ...]]:
-    """The privacy unit of a config of a task the loop trains and what its ε does not cover (the task says:
-    ``widedp.tasks.Task.privacy``)."""
-    from widedp.tasks import loop_task
+@dataclass(frozen=True)
+class UnitFacts:
+    """What a run's epsilon protects (``unit``), what it does not cover, what it includes besides the steps: a
+    task's facts (``widedp.tasks.Task.privacy``)."""
 
-    facts = loop_task(cfg.task).privacy(cfg)
-    return facts.unit, facts.not_covered
+    unit: str
+    not_covered: tuple[str, ...] = ()
+    includes: tuple[str, ...] = ()
 
 
-def for_run(cfg: Any, *, epsilon: float | None, delta: float | None, accountant: str, private_rng: bool,
+def for_run(facts: UnitFacts, *, epsilon: float | None, delta: float | None, accountant: str, private_rng: bool,
             extra: dict[str, Any] | None = None) -> PrivacyStatement:
-    """The statement of a run (or config) of a task the loop trains: epsilon None = trained without DP."""
+    """The statement of a run (or config) of a task the loop trains (``facts``: its unit and gaps): epsilon None =
+    trained without DP."""
     from widedp.dp.rng import NOT_PRIVATE
-    from widedp.tasks import loop_task
 
-    facts = loop_task(cfg.task).privacy(cfg)
     if epsilon is None:
         return PrivacyStatement(None, None, facts.unit, private=False, reason="trained without differential privacy")
     return PrivacyStatement(epsilon, delta, facts.unit, accountant=accountant.upper(), not_covered=facts.not_covered,

@@ -45,7 +45,7 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
         rep["max_samples_per_unit"] = cfg.data.max_samples_per_unit
     if rb.prefix:
         _with_prefix(rep, cfg, plan, steps)
-    st = for_run(cfg, epsilon=rep["epsilon"], delta=dp.delta, accountant=dp.accountant,
+    st = for_run(task.privacy(cfg), epsilon=rep["epsilon"], delta=dp.delta, accountant=dp.accountant,
                  private_rng=dp.rng == "secure")
     return {"privacy": st.text} | rep
 

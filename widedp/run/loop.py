@@ -28,7 +28,7 @@ from widedp.run import summary as run_summary
 from widedp.run.checkpoint import load_checkpoint, save_checkpoint, write_json
 from widedp.run.engines import Engine, make_engine
 from widedp.run.plots import plot_losses
-from widedp.tasks import Task
+from widedp.tasks.protocol import Task
 
 
 def resolve_device(name: str) -> torch.device:

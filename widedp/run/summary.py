@@ -20,12 +20,12 @@ DIAGNOSTICS_NOTICE = ("NON-PRIVATE diagnostics of the training batches (train lo
                       "`widedp export` writes.")
 
 
-def run_statement(cfg: Config, dp: Any, ledger: accounting.Ledger, *, private_rng: bool,
+def run_statement(facts: statement.UnitFacts, dp: Any, ledger: accounting.Ledger, *, private_rng: bool,
                   rb: run_budget.RunBudget | None = None) -> statement.PrivacyStatement:
     """The statement of a run of the DP-sparse engine: the headline accountant's ε over everything the ledger
     recorded (the DP vocabulary included, ``rb``)."""
     eps = epoch_epsilons(dp, ledger, rb).get("epsilon", 0.0)
-    return statement.for_run(cfg, epsilon=eps, delta=dp.delta, accountant=dp.accountant, private_rng=private_rng)
+    return statement.for_run(facts, epsilon=eps, delta=dp.delta, accountant=dp.accountant, private_rng=private_rng)
 
 
 def summary(cfg: Config, history: list[dict[str, Any]], *, step: int, per_epoch: int, wall: float, setup_s: float,
@@ -61,10 +61,9 @@ def epoch_epsilons(dp: Any, ledger: accounting.Ledger, rb: run_budget.RunBudget 
     return budget.ledger_epsilons(dp, ledger) if rb is None else run_budget.epsilons(dp, ledger, rb)
 
 
-def plot_title(cfg: Config, dp: Any, st: statement.PrivacyStatement) -> str:
+def plot_title(dp: Any, st: statement.PrivacyStatement) -> str:
     """loss.png's title of a DP-sparse run: the method, and ε with its δ and unit."""
-    unit, _ = statement.unit_and_gaps(cfg)
-    head = f"DP {dp.selection.name}, σ={dp.noise_multiplier:.3g}\nε={st.epsilon:.3g}, δ={dp.delta:g} per {unit}"
+    head = f"DP {dp.selection.name}, σ={dp.noise_multiplier:.3g}\nε={st.epsilon:.3g}, δ={dp.delta:g} per {st.unit}"
     return head if st.private else "NOT PRIVATE (reproducible rng) " + head
 
 

@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
+from widedp.accounting.statement import UnitFacts
 from widedp.dp import units
 from widedp.dp.optim import make_row_optimizer
 from widedp.errors import ConfigError
-from widedp.tasks import Built, OpacusParts, Shape, UnitFacts
+from widedp.tasks.protocol import Built, OpacusParts, Shape
 
 
 class LoopTask:

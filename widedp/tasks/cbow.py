@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from widedp.accounting.statement import UnitFacts
 from widedp.config import Config
 from widedp.data_prep import corpus as corpus_mod
 from widedp.data_prep.cbow import CBOWData, Split, prepare_cbow
@@ -20,8 +21,8 @@ from widedp.dp import units
 from widedp.dp import vocab as vocab_dp
 from widedp.errors import ConfigError
 from widedp.models.cbow import CBOW, CBOWBatch
-from widedp.tasks import Built, OpacusParts, Shape, UnitFacts
 from widedp.tasks.base import LoopTask
+from widedp.tasks.protocol import Built, OpacusParts, Shape
 
 VOCAB_NOT_COVERED = ("vocabulary not private: the vocabulary (the top-V words of the training corpus by count, ties "
                      "at the cut included) and the negative-sampling distribution (their counts)")

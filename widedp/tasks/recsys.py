@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from widedp.accounting.statement import UnitFacts
 from widedp.config import Config
 from widedp.config.recsys import RecsysModelConfig
 from widedp.data_prep.interactions import InteractionData, RecsysSplit, prepare_interactions
@@ -30,8 +31,8 @@ from widedp.dp import units
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysModel
 from widedp.run.checkpoint import write_json
-from widedp.tasks import Built, UnitFacts
 from widedp.tasks.base import LoopTask
+from widedp.tasks.protocol import Built
 
 IDS_NOT_COVERED = "the embedding-table sizes and id -> row numbering (computed from the data's distinct ids)"
 

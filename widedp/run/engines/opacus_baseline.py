@@ -38,9 +38,9 @@ from widedp.accounting import statement
 from widedp.config import Config
 from widedp.dp import rng, units
 from widedp.errors import ConfigError
-from widedp.run.engines import Drawn, Report, StepOutput
+from widedp.run.engines.base import Drawn, Report, StepOutput
 from widedp.run.engines.private import PrivateEngine
-from widedp.tasks import Built, Task
+from widedp.tasks.protocol import Built, Task
 
 OPTIMIZERS = ("sgd", "adam")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -129,6 +129,7 @@ class OpacusEngine(PrivateEngine):
     def setup(self, built: Built, task: Task) -> None:
         cfg, tc = self.cfg, self.cfg.train
         parts = task.opacus(cfg, built)
+        self.facts = task.privacy(cfg)
         self.module, self._sync = parts.module, parts.sync
         n, b = len(parts.dataset), tc.batch_size
         self._plan(num_rows=built.model.num_rows, n=n)
@@ -214,15 +215,14 @@ class OpacusEngine(PrivateEngine):
         rng.save_states(self.out, step, {"noise": self.noise_gen.get_state(), "sampling": self.sample_gen.get_state()})
 
     def report(self, *, stopped: bool) -> Report:
-        cfg, dp = self.cfg, self.dp
+        dp = self.dp
         e, headline, acct = self._epsilons()
-        st = statement.for_run(cfg, epsilon=headline, delta=dp.delta, accountant=f"Opacus {acct.upper()}",
+        st = statement.for_run(self.facts, epsilon=headline, delta=dp.delta, accountant=f"Opacus {acct.upper()}",
                                private_rng=self.seeds.private)
         section = {"engine": "opacus", **self._dp_summary(stopped=stopped), "epsilon": headline,
                    "epsilon_rdp": e["rdp"], "epsilon_prv": e["prv"],
                    "epsilon_widedp": accounting.epsilon(self.ledger, delta=dp.delta, accountant=dp.accountant)
                    if self.ledger.steps else 0.0,
                    "opacus_history": [list(h) for h in self.engine.accountant.history]}
-        title = (f"DP-SGD (Opacus), σ={dp.noise_multiplier:.3g}\nε={headline:.3g}, δ={dp.delta:g} per "
-                 f"{statement.unit_and_gaps(cfg)[0]}")
+        title = f"DP-SGD (Opacus), σ={dp.noise_multiplier:.3g}\nε={headline:.3g}, δ={dp.delta:g} per {st.unit}"
         return Report(st, section, title)

@@ -11,8 +11,8 @@ from widedp.config import Config
 from widedp.dp.sampling import ShuffledBatches
 from widedp.errors import ConfigError
 from widedp.run import budget
-from widedp.run.engines import Drawn, Report, StepOutput
-from widedp.tasks import Built, Task
+from widedp.run.engines.base import Drawn, Report, StepOutput
+from widedp.tasks.protocol import Built, Task
 
 OPTIMIZERS = ("sgd", "adam", "sparse_adam")
 
@@ -36,6 +36,7 @@ class NonPrivateEngine:
     def setup(self, built: Built, task: Task) -> None:
         tc = self.cfg.train
         self.module = self._model = built.model
+        self.facts = task.privacy(self.cfg)
         self._split = built.splits["train"]
         n = len(self._split)
         self.optimizer = task.optimizer(self.cfg, self.module)
@@ -87,5 +88,5 @@ class NonPrivateEngine:
         pass
 
     def report(self, *, stopped: bool) -> Report:
-        return Report(for_run(self.cfg, epsilon=None, delta=None, accountant="", private_rng=True), None,
+        return Report(for_run(self.facts, epsilon=None, delta=None, accountant="", private_rng=True), None,
                       "non-private")

@@ -21,9 +21,9 @@ from widedp.dp.selection import SelectionContext, make_selector
 from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
 from widedp.run import summary as run_summary
-from widedp.run.engines import Drawn, Report, StepOutput
+from widedp.run.engines.base import Drawn, Report, StepOutput
 from widedp.run.engines.private import PrivateEngine
-from widedp.tasks import Built, Task
+from widedp.tasks.protocol import Built, Task
 
 OPTIMIZERS = ("sgd", "lazy_adam", "adam")
 _STATS = ("rows_selected", "touched_share", "clipped1", "clipped2")
@@ -41,6 +41,7 @@ class SparseDPEngine(PrivateEngine):
     def setup(self, built: Built, task: Task) -> None:
         cfg = self.cfg
         self.module = self._model = built.model
+        self.facts = task.privacy(cfg)
         self._split = built.splits["train"]
         n = len(self._split)
         self.grouped = task.units(cfg, self._split, device=self.device)
@@ -115,9 +116,9 @@ class SparseDPEngine(PrivateEngine):
         rng.save_states(self.out, step, {"noise": self.noise_gen.get_state()})
 
     def report(self, *, stopped: bool) -> Report:
-        cfg, dp = self.cfg, self.dp
-        st = run_summary.run_statement(cfg, dp, self.ledger, private_rng=self.seeds.private, rb=self.rb)
+        dp = self.dp
+        st = run_summary.run_statement(self.facts, dp, self.ledger, private_rng=self.seeds.private, rb=self.rb)
         eps_rdp = run_summary.epoch_epsilons(dp, self.ledger, self.rb).get("epsilon_rdp", 0.0)
         section = self._dp_summary(stopped=stopped)
         section.update(epsilon=st.epsilon, epsilon_rdp=eps_rdp)
-        return Report(st, section, run_summary.plot_title(cfg, dp, st))
+        return Report(st, section, run_summary.plot_title(dp, st))
