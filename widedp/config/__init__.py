@@ -236,6 +236,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 TASK_MODULES: dict[str, str] = {
     "recsys": "widedp.config.recsys",
     "glm": "widedp.config.glm",
+    "module": "widedp.config.module",
 }
 
 
