@@ -282,7 +282,7 @@ def test_always_rows_selected_free_and_noised():
     sel_all = make_selector(ExponentialSelectionConfig(k=5, epsilon=1.0, score_clip=0.2), num_rows=R)
     hits = sum(int((step(g, sel_all, s, always_rows=0).selected >= R - A).sum()) for s in range(50))
     assert 0 < hits < 50 * 2
-    # PerSampleRowsWithDense carries A to the step (what widedp.run.train relies on)
+    # PerSampleRowsWithDense carries A to the step (what widedp.run.engines.sparse relies on)
     from widedp.models.recsys import PerSampleRowsWithDense
 
     gd = PerSampleRowsWithDense(g.values, g.rows, g.offsets, g.num_rows, always_rows=A)

@@ -6,8 +6,8 @@ import stat
 
 import pytest
 import torch
+from snapshots import train_with_snapshot
 
-import widedp.run.loop as loop_mod
 from widedp import accounting
 from widedp.cli import main
 from widedp.config import load_config
@@ -105,16 +105,7 @@ def _run_with_snapshot(tmp_path, monkeypatch):
     d.mkdir()
     cfg = load_config(_config(d, steps=200, ckpt_every=60))
     run, snap = d / "run", d / "snap"
-    orig = loop_mod.save_checkpoint
-
-    def snapshot(out, state):
-        orig(out, state)
-        if state["step"] == 60 and not snap.exists():
-            shutil.copytree(out, snap)
-
-    monkeypatch.setattr(loop_mod, "save_checkpoint", snapshot)
-    full = train(cfg, run, progress=False)
-    monkeypatch.setattr(loop_mod, "save_checkpoint", orig)
+    full = train_with_snapshot(cfg, run, snap, step=60, monkeypatch=monkeypatch)
     return cfg, run, snap, full
 
 

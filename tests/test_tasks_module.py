@@ -3,15 +3,14 @@
 PrivacyEngine (the same epsilon, and with a reproducible rng the same weights), and one-line errors."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from snapshots import train_with_snapshot
 from torch.utils.data import DataLoader
 
 import widedp
-import widedp.run.loop as loop_mod
 from widedp.cli import main
 from widedp.config import load_config
 from widedp.errors import ConfigError
@@ -64,16 +63,7 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch):
     --resume`, ends with the uninterrupted run's weights and ledger (secret rng: its state is in private/)."""
     cfg = load_config(_config(tmp_path, "train.checkpoint_every=12"))
     run, snap = tmp_path / "run", tmp_path / "snap"
-    orig = loop_mod.save_checkpoint
-
-    def snapshot(out, state):
-        orig(out, state)
-        if state["step"] == 12 and not snap.exists():
-            shutil.copytree(out, snap)
-
-    monkeypatch.setattr(loop_mod, "save_checkpoint", snapshot)
-    full = train(cfg, run, progress=False)
-    monkeypatch.setattr(loop_mod, "save_checkpoint", orig)
+    full = train_with_snapshot(cfg, run, snap, step=12, monkeypatch=monkeypatch)
     assert torch.load(snap / "checkpoint.pt", weights_only=True)["step"] == 12
     assert main(["train", "--resume", str(snap), "--no-progress"]) == 0
     resumed = json.loads((snap / "summary.json").read_text())

@@ -2,14 +2,13 @@
 epsilon`, resume, canaries as their own units, a public word list, and the recommender's user unit."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
+from snapshots import train_with_snapshot
 
 import widedp.run.engines.sparse as sparse_mod
-import widedp.run.loop as loop_mod
 from widedp import accounting
 from widedp.cli import main
 from widedp.config import load_config
@@ -90,16 +89,7 @@ def test_sentence_units_with_dp_vocabulary_end_to_end(tmp_path, monkeypatch, cap
 def test_resume_reuses_the_vocabulary_and_counts_it_once(tmp_path, monkeypatch):
     cfg = load_config(_config(tmp_path, steps_epochs=3))
     run, snap = tmp_path / "run", tmp_path / "snap"
-    orig = loop_mod.save_checkpoint
-
-    def snapshot(out, state):
-        orig(out, state)
-        if state["step"] == 20 and not snap.exists():
-            shutil.copytree(out, snap)
-
-    monkeypatch.setattr(loop_mod, "save_checkpoint", snapshot)
-    full = train(cfg, run, progress=False)
-    monkeypatch.setattr(loop_mod, "save_checkpoint", orig)
+    full = train_with_snapshot(cfg, run, snap, step=20, monkeypatch=monkeypatch)
     before = (snap / vocab_dp.RELEASE_FILE).read_bytes()
     resumed = train(cfg, snap, resume=True, progress=False)
     assert (snap / vocab_dp.RELEASE_FILE).read_bytes() == before  # loaded, not drawn again

@@ -42,33 +42,36 @@ def check_ref(key: str, ref: str | None, *, required: bool = True) -> None:
 
 
 @dataclass(frozen=True)
-class ModuleDataConfig:
+class _Factory:
+    """A section naming a factory (``factory``, its ``kwargs``) and one optional helper function (``_helper``)."""
+
+    factory: str = ""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    _section, _helper = "", ""
+
+    def __post_init__(self) -> None:
+        check_ref(f"{self._section}.factory", self.factory)
+        check_ref(f"{self._section}.{self._helper}", getattr(self, self._helper), required=False)
+
+
+@dataclass(frozen=True)
+class ModuleDataConfig(_Factory):
     """Args: factory: ``pkg.module:function`` returning the train, valid and test datasets (a 3-tuple or a dict
     with those keys; each has ``len()`` and ``[i]``, or ``__getitems__``). kwargs: its keyword arguments.
     collate: ``pkg.module:function`` making a batch of a list of items (None: ``default_collate``)."""
 
-    factory: str = ""
-    kwargs: dict[str, Any] = field(default_factory=dict)
     collate: str | None = None
-
-    def __post_init__(self) -> None:
-        check_ref("data.factory", self.factory)
-        check_ref("data.collate", self.collate, required=False)
+    _section, _helper = "data", "collate"
 
 
 @dataclass(frozen=True)
-class ModuleModelConfig:
+class ModuleModelConfig(_Factory):
     """Args: factory: ``pkg.module:function`` returning the ``torch.nn.Module``. kwargs: its keyword arguments.
     loss: ``pkg.module:function``, ``loss(model, batch) -> [B]`` per-sample losses (None: ``model(batch)`` returns
     them)."""
 
-    factory: str = ""
-    kwargs: dict[str, Any] = field(default_factory=dict)
     loss: str | None = None
-
-    def __post_init__(self) -> None:
-        check_ref("model.factory", self.factory)
-        check_ref("model.loss", self.loss, required=False)
+    _section, _helper = "model", "loss"
 
 
 DATA_CONFIG = ModuleDataConfig
