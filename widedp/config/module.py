@@ -1,6 +1,6 @@
 """``task: module``: your own ``nn.Module`` and datasets, named by import path, trained by ``widedp train``.
 
-Read by ``widedp.config`` through ``TASK_MODULES["module"]``::
+Read by ``widedp.config`` (``TASK_SECTIONS["module"]``)::
 
     task: module
     data:

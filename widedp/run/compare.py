@@ -26,6 +26,7 @@ never a run's privacy).
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 import sys
@@ -247,9 +248,10 @@ def run_sweep(sweep: Sweep, out: Path, *, progress: bool = False, overwrite: boo
         task = get_task(cfg.task)
         data = None
         if not isinstance(task, AlgorithmTask):  # data several runs may share (a corpus; not a DP vocabulary)
-            if cfg.data not in data_cache:
-                data_cache = {cfg.data: task.shared_data(cfg)}  # keep one prepared corpus in memory at a time
-            data = data_cache[cfg.data]
+            key = json.dumps(cfg.to_dict()["data"], sort_keys=True)  # (a module task's kwargs are not hashable)
+            if key not in data_cache:
+                data_cache = {key: task.shared_data(cfg)}  # keep one prepared corpus in memory at a time
+            data = data_cache[key]
         train(cfg, d, resume=action == "resume", overwrite=action in ("restart", "rerun"), progress=progress,
               data=data)
     return {d: action for _, _, d, _, action in todo}
