@@ -5,12 +5,8 @@
 
 The functions import their task's module when called (recsys pulls in torchrec): nothing registers itself at import
 time. A ``Task`` is trained by the one loop (``widedp.run.loop``) with any engine (``widedp.run.engines``); an
-``AlgorithmTask`` (glm: convex DP algorithms, not the DP-sparse step) runs its own ``train``.
-
-What a ``Task.build`` returns (``Built``): splits ``train`` / ``valid`` / ``test``, each with ``len()`` and
-``batch(idx [B] int64) -> batch``, and a model with ``forward(batch) -> [B]`` per-sample losses,
-``per_sample_row_grads(batch) -> ([B] losses, PerSampleRows)`` (under ``torch.inference_mode``) and ``num_rows`` (the
-rows a selection ranges over). ``tasks.base.LoopTask`` holds the defaults a task may keep.
+``AlgorithmTask`` (glm: convex DP algorithms, not the DP-sparse step) runs its own ``train``. The protocols and what
+a task builds are in ``widedp.tasks.protocol``; ``widedp.tasks.base.LoopTask`` holds the defaults a task may keep.
 """
 
 from __future__ import annotations

@@ -1,5 +1,11 @@
 """The task protocol (``Task``, ``AlgorithmTask``) and what tasks return; the tasks themselves are in
-``widedp.tasks.TASKS``."""
+``widedp.tasks.TASKS``.
+
+What a ``Task.build`` returns (``Built``): splits ``train`` / ``valid`` / ``test``, each with ``len()`` and
+``batch(idx [B] int64) -> batch``, and a model with ``model(batch) -> [B]`` per-sample losses,
+``per_sample_row_grads(batch) -> ([B] losses, PerSampleRows)`` (called under ``torch.inference_mode``), ``num_rows``
+(the rows a selection ranges over), ``state_dict`` / ``load_state_dict`` / ``parameters`` / ``train`` / ``eval``.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +21,8 @@ from widedp.accounting.statement import UnitFacts
 
 @dataclass
 class Built:
-    """A run's splits and model (module docstring); ``notes``: facts for summary.json's ``units`` (the DP
-    vocabulary's mechanism, ...)."""
+    """A run's splits and model (the module docstring says what they provide); ``notes``: facts for summary.json's
+    ``units`` (the DP vocabulary's mechanism, ...)."""
 
     splits: dict[str, Any]
     model: Any
