@@ -29,14 +29,15 @@ class PrivateEngine:
         self.seeds, self.replayable = rng.run_seeds(out, mode=cfg.dp.rng, seed=cfg.train.seed, resume=resumed)
         self.rb = run_budget.for_config(cfg)  # what is spent before the first step (the DP vocabulary)
         self.prefix_seed = self.seeds.noise if self.rb.prefix else None
-        self.ledger = accounting.Ledger()
-        for p in self.rb.prefix:
-            self.ledger.add(p)
         self.unit_info: dict[str, Any] | None = None
 
     def _plan(self, *, num_rows: int, n: int) -> None:
-        """The privacy plan over ``n`` samples (or units): sigma (or the selection's epsilon) calibrated for the
-        whole run with the prefix, what each step spends, the budget cap; the noise generator."""
+        """The privacy plan over ``n`` samples (or units): the ledger, starting with the prefix's entries (``self.rb``,
+        each recorded once), sigma (or the selection's epsilon) calibrated for the whole run with the prefix, what
+        each step spends, the budget cap; the noise generator."""
+        self.ledger = accounting.Ledger()
+        for p in self.rb.prefix:
+            self.ledger.add(p)
         self.plan = run_budget.plan(self.cfg, self.rb, num_rows=num_rows, n=n)
         self.dp, self.spend, self.cap = self.plan.dp, self.plan.spend, self.plan.cap
         self.n_draw, self.sampling_rate = n, self.cfg.train.batch_size / n

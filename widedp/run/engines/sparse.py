@@ -46,9 +46,10 @@ class SparseDPEngine(PrivateEngine):
         n = len(self._split)
         self.grouped = task.units(cfg, self._split, device=self.device)
         n_dp = self.grouped.num_units if self.grouped is not None else n  # what Poisson sampling draws
-        # The run's privacy plan, all in this one place: what is spent before the first step (self.rb.prefix: the
-        # task's DP vocabulary, drawn by its build with self.prefix_seed), calibration, the per-step spend, the
-        # budget cap, and the selector every step uses.
+        # The run's privacy plan, all in this one place: the ledger's prefix entries (self.rb.prefix: what is spent
+        # before the first step, today the task's DP vocabulary, drawn by its build with self.prefix_seed; a one-shot
+        # pre-selection, dp.preselect, adds its entry to self.rb here), calibration, the per-step spend, the budget
+        # cap, and the selector every step uses.
         self._plan(num_rows=self.module.num_rows, n=n_dp)
         self.selector = make_selector(self.dp.selection, num_rows=self.module.num_rows)
         self.optimizer = task.row_optimizer(cfg, self.module)
