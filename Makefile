@@ -8,7 +8,7 @@ export NLTK_DATA ?= $(abspath ../shared/nltk_data)
 endif
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup train test lint clean
+.PHONY: setup train test lint clean cuda-dry-run
 setup:
 	@bash scripts/setup_env.sh
 
@@ -18,6 +18,10 @@ train: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest
+
+# Resolve the CUDA stack (torch, fbgemm-gpu, torchrec) without installing it: works on a CPU-only machine.
+cuda-dry-run:
+	@bash scripts/setup_env.sh --cuda-dry-run
 
 clean:
 	rm -rf runs .cache .pytest_cache .ruff_cache

@@ -11,7 +11,10 @@ paper-preset data; ratios are against non-private training of the same model wit
 Part 2 runs each (V, method) in its own subprocess (peak RSS = that process's ru_maxrss) on synthetic Zipf batches
 (b=1024 pairs, 8 negatives, D=128, k=1024 rows), against EmbeddingBag(sparse) + SparseAdam; the exponential
 selector, Gaussian thresholding (sigma_sel=2, tau set for 100 expected false positives at every V) and the fast
-sparse vector (c=1024).
+sparse vector (c=1024). A (V, method) that fails (out of memory, killed) is printed and written under ``failed``
+with its reason, and "largest over smallest V" is taken over the V values that ran (named: ``over``, ``vocabs_ran``).
+Every subprocess tunes glibc malloc as the ``widedp`` CLI does (``widedp.allocator``; ``WIDEDP_MALLOC=system`` for
+glibc's defaults) and reports its CPU time (user + system) and minor page faults per timed step.
 """
 
 from __future__ import annotations
@@ -28,20 +31,28 @@ from pathlib import Path
 
 import torch
 
+from widedp.allocator import tune_malloc
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 
 
-def _median_time(fn, *, steps: int, repeats: int = 5) -> float:
-    """Median over ``repeats`` of the mean seconds per call over ``steps`` calls (after a warm-up)."""
+def _median_time(fn, *, steps: int, repeats: int = 5, usage: dict | None = None) -> float:
+    """Median over ``repeats`` of the mean seconds per call over ``steps`` calls (after a warm-up); ``usage`` gets
+    the minor page faults and the CPU ms (user + system) per timed call."""
     for _ in range(min(steps, 50)):
         fn()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(steps):
             fn()
         times.append((time.perf_counter() - t0) / steps)
+    if usage is not None:
+        r1, calls = resource.getrusage(resource.RUSAGE_SELF), repeats * steps
+        usage["minflt"] = (r1.ru_minflt - r0.ru_minflt) / calls
+        usage["cpu_ms"] = (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / calls * 1e3
     return statistics.median(times)
 
 
@@ -191,9 +202,11 @@ def one_vocab_case(vocab: int, method: str, dim: int, batch: int, k: int, steps:
                               noise_multiplier=1.0, selector=selector, ctx=ctx, generator=gen)
                 ropt.step(res.grad)
 
-    sec = _median_time(one, steps=steps, repeats=3)
+    usage: dict = {}
+    sec = _median_time(one, steps=steps, repeats=3, usage=usage)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"vocab": vocab, "method": method, "dim": dim, "batch": batch, "k": k, "step_ms": sec * 1e3,
+            "cpu_ms_per_step": usage["cpu_ms"], "minflt_per_step": usage["minflt"],
             "peak_rss_gb": peak / 2**30, "baseline_rss_gb": rss0 * 1024 / 2**30,
             "tables_plus_state_gb": (table_bytes + state_bytes) / 2**30,
             "overhead_gb": (peak - table_bytes - state_bytes) / 2**30}
@@ -210,7 +223,11 @@ def vocab_sweep(vocabs: list[int], dim: int, batch: int, k: int, steps: int) -> 
             cmd = [sys.executable, __file__, "--one", str(vocab), method, str(dim), str(batch), str(k), str(steps)]
             r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if r.returncode != 0:
-                rows.append({"vocab": vocab, "method": method, "error": r.stderr.strip().splitlines()[-1:]})
+                why = (r.stderr.strip().splitlines() or [""])[-1]
+                if r.returncode < 0:  # killed by a signal (SIGKILL: most often the kernel's OOM killer)
+                    why = f"killed by signal {-r.returncode}" + (f" ({why})" if why else "")
+                rows.append({"vocab": vocab, "method": method, "error": why or f"exit code {r.returncode}"})
+                print(f"FAILED V={vocab} {method}: {rows[-1]['error']}", flush=True)
             else:
                 rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
@@ -229,9 +246,10 @@ def main() -> None:
     ap.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    malloc = tune_malloc()["status"]  # as the widedp CLI does (WIDEDP_MALLOC=system: glibc's defaults)
     if args.one:
         v, m, d, b, k, s = args.one
-        print(json.dumps(one_vocab_case(int(v), m, int(d), int(b), int(k), int(s))))
+        print(json.dumps(one_vocab_case(int(v), m, int(d), int(b), int(k), int(s)) | {"malloc": malloc}))
         return
     OUT.mkdir(parents=True, exist_ok=True)
     out: dict = {"torch": torch.__version__, "threads": 1}
@@ -250,12 +268,17 @@ def main() -> None:
                 dp = by.get((v, method))
                 if base and dp:
                     ratios.setdefault(method, {})[str(v)] = dp["step_ms"] / base["step_ms"]
-            vs = sorted(v for v in {r["vocab"] for r in rows} if (v, method) in by)
+            vs = sorted(v for v in {r["vocab"] for r in rows} if (v, method) in by)  # the V values that ran
             if len(vs) >= 2:
-                flat[method] = by[(vs[-1], method)]["step_ms"] / by[(vs[0], method)]["step_ms"]
+                flat[method] = {"ratio": by[(vs[-1], method)]["step_ms"] / by[(vs[0], method)]["step_ms"],
+                                "over": f"V={vs[-1]:g} / V={vs[0]:g}", "vocabs_ran": vs}
         out["dp_over_nonprivate_step_time"] = ratios
-        out["dp_step_time_largest_over_smallest_V"] = flat
+        out["dp_step_time_largest_over_smallest_V"] = flat  # over the V values that ran, named in "over"
+        out["failed"] = [{"vocab": r["vocab"], "method": r["method"], "error": r["error"]} for r in rows
+                         if "error" in r]
         print(json.dumps({k: out[k] for k in out if k.startswith("dp_")}, indent=2))
+        for f in out["failed"]:
+            print(f"FAILED V={f['vocab']:g} {f['method']}: {f['error']} (left out of the ratios above)")
     (OUT / "bench_step.json").write_text(json.dumps(out, indent=2))
     print(f"wrote {OUT / 'bench_step.json'}")
 

@@ -23,19 +23,24 @@ from pathlib import Path
 import yaml
 
 from widedp import accounting
-from widedp.dp.spend import ExponentialSpend, GaussianSpend, SparseVectorSpend, StepSpend
+from widedp.config import SELECTIONS
+from widedp.dp.selection import make_selector
+from widedp.dp.spend import GaussianSpend, StepSpend
 
 ROOT = Path(__file__).resolve().parents[1]
 DELTA = 1e-5
 EPSILONS = (1, 3, 8)
 
-#: V -> (data preset, n_train, epochs, base sets, k grid, cutoff, random-sparsification rates, gaussian max_rows)
+#: V -> (data preset, n_train, epochs, base sets, k grid, cutoff, random-sparsification rates, gaussian max_rows,
+#: rows R of the untied model)
 SETTINGS = {
     "v1k": {"preset": "paper", "n": 200_000, "epochs": 20, "k": (500,), "k_count": 500, "cutoff": 500,
             "rates": (0.5, 0.75), "max_rows": None, "nonprivate": "brown_cbow_nonprivate.yaml",
+            "rows": 2_000,
             "title": "V = 1K (paper preset: 2,000 rows untied, 200K train pairs, b = 1000, 20 epochs = 4,000 steps)"},
     "v10k": {"preset": "brown_10k", "n": 1_508_593, "epochs": 5, "k": (2000, 5000), "k_count": 5000, "cutoff": 2000,
              "rates": (0.75, 0.9), "max_rows": 5000, "nonprivate": "brown10k_cbow_nonprivate.yaml",
+             "rows": 20_000,
              "title": "V = 10K (brown_10k: 20,000 rows untied, 1.51M train pairs, b = 1000, 5 epochs = 7,545 steps)"},
 }
 B = 1000
@@ -50,15 +55,21 @@ def dpsgd_sigma(q: float, steps: int, eps: float) -> float:
                                                  delta=DELTA, target_epsilon=eps)
 
 
-def selection_eps(make, q: float, steps: int, target: float) -> float:
-    e = accounting.calibrate_selection_epsilon(lambda x: StepSpend(q, (make(x),)), steps=steps, delta=DELTA,
-                                               target_epsilon=target, accountant="rdp")
-    return float(f"{e:.4g}")
+def with_selection_eps(sel: dict, rows: int, q: float, steps: int, target: float) -> dict:
+    """``sel`` (a ``dp.selection`` mapping, ``epsilon`` left None) with the ``epsilon`` at which the selection ALONE
+    spends ``target`` (RDP); its spend is the selector's own (``make_selector(...).spend()``, as in training)."""
+    def spend(x: float) -> StepSpend:
+        return StepSpend(q, (make_selector(SELECTIONS[sel["name"]](**{**sel, "epsilon": x}), num_rows=rows).spend(),))
+
+    e = accounting.calibrate_selection_epsilon(spend, steps=steps, delta=DELTA, target_epsilon=target,
+                                               accountant="rdp")
+    return {**sel, "epsilon": float(f"{e:.4g}")}
 
 
 def cells(v: str) -> list[dict]:
     st = SETTINGS[v]
     q, steps = B / st["n"], _steps(st["n"], st["epochs"])
+    split = (st["rows"], q, steps)  # with_selection_eps's row space, sampling rate and steps
     runs: list[dict] = []
 
     def add(name: str, config: str, sets: dict) -> None:
@@ -73,21 +84,20 @@ def cells(v: str) -> list[dict]:
             add(f"dpsgd-{tag}-lr{lr:g}", "brown_cbow_dpsgd.yaml", {"dp.target_epsilon": eps, "train.lr": lr})
         for k in st["k"]:
             for f in (0.25, 0.5) if len(st["k"]) == 1 else (0.5,):
-                e2 = selection_eps(lambda x, k=k: ExponentialSpend(x, k), q, steps, f * eps)
+                sel = with_selection_eps({"name": "exponential", "k": k, "epsilon": None, "score_clip": 0.05}, *split,
+                                         f * eps)
                 add(f"exponential-{tag}-k{k}-f{f:g}", "brown_cbow_sparse_exp.yaml",
-                    {"dp.target_epsilon": eps, "dp.selection": {"name": "exponential", "k": k, "epsilon": e2,
-                                                                "score_clip": 0.05}})
+                    {"dp.target_epsilon": eps, "dp.selection": sel})
         kc = st["k_count"]
-        e2 = selection_eps(lambda x, kc=kc: ExponentialSpend(x, kc), q, steps, 0.5 * eps)
+        sel = with_selection_eps({"name": "exponential", "k": kc, "epsilon": None, "score": "count",
+                                  "score_clip": float(B)}, *split, 0.5 * eps)
         add(f"exponential_count-{tag}-k{kc}-f0.5", "brown_cbow_sparse_exp.yaml",
-            {"dp.target_epsilon": eps, "dp.selection": {"name": "exponential", "k": kc, "epsilon": e2,
-                                                        "score": "count", "score_clip": float(B)}})
+            {"dp.target_epsilon": eps, "dp.selection": sel})
         c = st["cutoff"]
-        es = selection_eps(lambda x, c=c: SparseVectorSpend(x, c), q, steps, 0.5 * eps)
+        sel = with_selection_eps({"name": "sparse_vector", "epsilon": None, "cutoff": c, "threshold": 0.01,
+                                  "threshold_fraction": 0.5, "score_clip": 0.05}, *split, 0.5 * eps)
         add(f"sparse_vector-{tag}-c{c}-f0.5", "brown_cbow_sparse_vector.yaml",
-            {"dp.target_epsilon": eps, "dp.selection": {"name": "sparse_vector", "epsilon": es, "cutoff": c,
-                                                        "threshold": 0.01, "threshold_fraction": 0.5,
-                                                        "score_clip": 0.05}})
+            {"dp.target_epsilon": eps, "dp.selection": sel})
         for k in st["k"]:
             add(f"uniform-{tag}-k{k}", "brown_cbow_sparse_uniform.yaml",
                 {"dp.target_epsilon": eps, "dp.selection": {"name": "uniform", "k": k}})

@@ -1,5 +1,6 @@
 """PLD accountant: dp_accounting agreement, the bounded-range envelope, one joint step vs Monte Carlo (with the
-separately-subsampled shortcut as negative control), composition, the paper setting."""
+separately-subsampled shortcut as negative control), the paper setting (the contract every accountant meets, count=k
+composition included: test_accounting_contract.py)."""
 
 import itertools
 import math
@@ -9,11 +10,11 @@ import pytest
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pldm
 
-from widedp.accounting import compose_epsilon, epsilon_for_step, paper_selection_epsilon
+from widedp.accounting import epsilon_for_step, paper_selection_epsilon
 from widedp.accounting import pld as P
 from widedp.accounting import rdp as R
 from widedp.accounting.parts import costs_of
-from widedp.dp.spend import ExponentialSpend, FreeSpend, GaussianSpend, SparseVectorSpend, StepSpend
+from widedp.dp.spend import ExponentialSpend, FreeSpend, GaussianSpend, StepSpend
 
 Q, T, DELTA = 1e-4, 200_000, 1e-5
 FREE = StepSpend(0.05, (FreeSpend("uniform"),))
@@ -129,24 +130,6 @@ def test_one_joint_step_against_monte_carlo():
     # the RDP cross-check is an upper bound too
     eps_rdp, _ = R.rdp_epsilon([(costs_of(step), 1)], 1e-2)
     assert _mc_delta(rem, eps_rdp)[0] <= 1e-2
-
-
-@pytest.mark.parametrize(
-    "step",
-    [
-        StepSpend(0.05, (GaussianSpend(0.9), ExponentialSpend(0.3, 4))),
-        StepSpend(0.05, (GaussianSpend(0.9), SparseVectorSpend(0.3, 2, 0.1))),
-        StepSpend(0.05, (GaussianSpend(0.9), FreeSpend("uniform"))),
-    ],
-)
-def test_count_k_equals_k_single_composes(step):
-    k, c = 6, costs_of(step)
-    one_run = P.pld_epsilon([(c, k)], DELTA)  # one FFT self-composition
-    k_runs = P.pld_epsilon([(c, 1)] * k, DELTA)  # k pairwise compositions (the module does not merge runs)
-    assert one_run == pytest.approx(k_runs, rel=1e-3)
-    assert one_run > 1.3 * P.pld_epsilon([(c, 1)], DELTA)  # count is not ignored
-    # the front door merges equal records (composition commutes): same answer
-    assert compose_epsilon([(step, 2), (FREE, 3), (step, k - 2)], delta=DELTA) == pytest.approx(one_run, rel=1e-3)
 
 
 def test_paper_setting_joint():

@@ -41,8 +41,8 @@ SELECTIONS = {
 
 
 def selector(name: str, num_rows: int = R):
-    if name == "exponential":  # the O(U + k) path (make_selector perturbs all rows below 4096 rows)
-        return ExponentialSelector(k=3, epsilon=1.0, score_clip=0.05, brute_below=0)
+    if name == "exponential":  # the O(U + k) path (method auto perturbs all rows below 4096 rows)
+        return ExponentialSelector(k=3, epsilon=1.0, score_clip=0.05, method="sparse")
     return make_selector(SELECTIONS[name], num_rows=num_rows)
 
 

@@ -123,8 +123,8 @@ def test_restricted_selector_in_the_step():
     counts = [picks.count(o) for o in sorted(set(picks))]
     assert stats.chisquare(counts).pvalue > 1e-3
     every = pre.preselected(make_selector(AllRowsConfig(), num_rows=20), rows)
-    assert every.select(torch.tensor([2, 3]), torch.zeros(0), num_rows=20, score_sensitivity=0.0, ctx=CTX,
-                        generator=gen)[0].tolist() == rows.tolist()
+    assert every.select(torch.tensor([2, 3]), torch.zeros(0), selectable_rows=20, score_sensitivity=0.0, ctx=CTX,
+                        generator=gen).tolist() == rows.tolist()
     with pytest.raises(ConfigError, match="dp.selection.k"):
         pre.preselected(make_selector(UniformSelectionConfig(k=5), num_rows=20), rows)
     with pytest.raises(ConfigError, match="no row"):

@@ -1,12 +1,14 @@
 """Batch samplers: the law of Poisson sampling (what the accountant assumes) — for PoissonSampler directly and for
 the batches the real DP training loop trains on — with fixed-size and shuffled batches as negative controls."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
-from widedp.dp.sampling import PoissonSampler, ShuffledBatches
+from widedp.dp.sampling import PoissonSampler, ShuffledBatches, uniform_subsets
 
 P_MIN = 1e-4  # goodness-of-fit p-values below this fail (the runs are seeded: no flakiness)
 
@@ -102,15 +104,95 @@ def test_poisson_checks_reject_other_samplers(control):
     assert poisson_violations(_draw(sampler, steps), n, q) != []
 
 
-def test_poisson_stateless_per_step():
-    a = PoissonSampler(1000, sampling_rate=0.01, seed=7)
-    b = PoissonSampler(1000, sampling_rate=0.01, seed=7)
+@pytest.mark.parametrize(("n", "q"), [(1000, 0.01), (300, 0.1), (60, 0.5)])  # few / most batches collide, dense
+def test_poisson_stateless_per_step(n, q):
+    a = PoissonSampler(n, sampling_rate=q, seed=7)
+    b = PoissonSampler(n, sampling_rate=q, seed=7)
     first = [a.batch(t).clone() for t in range(3000)]
     # b jumps straight to late steps (as a resumed run does) and must agree
-    for t in (2999, 1500, 0, 1024):
+    for t in (2999, 1500, 0, 1024, 2048, 1023):
         assert torch.equal(b.batch(t), first[t])
-    c = PoissonSampler(1000, sampling_rate=0.01, seed=8)
+    c = PoissonSampler(n, sampling_rate=q, seed=8)
     assert any(not torch.equal(c.batch(t), first[t]) for t in range(5))
+
+
+# ------------------------------------------------- the members: a uniform subset (pairs too), drawn in O(m) memory
+
+
+def pair_violations(batches: list[np.ndarray], n: int, q: float) -> list[str]:
+    """What contradicts "each pair of examples is in a step's batch together with probability q^2, independently
+    over steps": the pair counts over T steps are Binomial(T, q^2) (their mean, and their extremes with a Bonferroni
+    bound over the n(n-1)/2 pairs). Marginally uniform but dependent members (a random window) fail here."""
+    t = len(batches)
+    x = np.zeros((t, n))
+    for i, b in enumerate(batches):
+        x[i, b] = 1.0
+    pairs = (x.T @ x)[np.triu_indices(n, 1)]
+    out = []
+    per_step = np.array([len(b) * (len(b) - 1) / 2 for b in batches]) / (n * (n - 1) / 2)  # share of pairs
+    if abs(per_step.mean() - q * q) > 5 * per_step.std(ddof=1) / np.sqrt(t):
+        out.append(f"mean pair inclusion {per_step.mean():.4g} vs q^2 = {q * q:.4g}")
+    if (p := len(pairs) * stats.binom.sf(pairs.max() - 1, t, q * q)) < P_MIN:
+        out.append(f"a pair is together {pairs.max():.0f} times in {t} steps (q^2 T = {q * q * t:.1f}; p <= {p:.2g})")
+    if (p := len(pairs) * stats.binom.cdf(pairs.min(), t, q * q)) < P_MIN:
+        out.append(f"a pair is together {pairs.min():.0f} times in {t} steps (q^2 T = {q * q * t:.1f}; p <= {p:.2g})")
+    return out
+
+
+class _BiasedSubsets:
+    """Negative controls with Binomial(n, q) sizes: a random contiguous window (every member uniform, pairs not),
+    the m smallest of 2m uniform distinct ids, i.i.d. ids (with replacement) and i.i.d. ids deduplicated."""
+
+    def __init__(self, kind: str, n: int, q: float, seed: int) -> None:
+        self.kind, self.n, self.q, self.g = kind, n, q, torch.Generator().manual_seed(seed)
+
+    def batch(self, step: int) -> torch.Tensor:
+        n, g = self.n, self.g
+        m = int(torch.binomial(torch.tensor(float(n)), torch.tensor(self.q), generator=g))
+        if self.kind == "window":
+            return (torch.randint(n, (1,), generator=g) + torch.arange(m)) % n
+        if self.kind == "smallest":
+            return torch.randperm(n, generator=g)[: min(2 * m, n)].sort().values[:m]
+        ids = torch.randint(n, (m,), generator=g)
+        return ids if self.kind == "with_replacement" else torch.unique(ids)
+
+
+@pytest.mark.parametrize(("n", "q"), [(300, 0.1), (60, 0.5)])  # most batches collide (sparse path); dense path
+def test_poisson_sampler_members_uniform_and_pairwise(n, q):
+    batches = _draw(PoissonSampler(n, sampling_rate=q, seed=11), 4000)
+    assert poisson_violations(batches, n, q) == []
+    assert pair_violations(batches, n, q) == []
+
+
+@pytest.mark.parametrize("kind", ["window", "smallest", "with_replacement", "deduplicated"])
+def test_subset_checks_reject_biased_subsets(kind):
+    n, q = 300, 0.1
+    batches = _draw(_BiasedSubsets(kind, n, q, seed=11), 4000)
+    assert pair_violations(batches, n, q) != [] if kind == "window" else poisson_violations(batches, n, q) != []
+
+
+@pytest.mark.parametrize(("n", "m"), [(12, 3), (8, 3)])  # rejection path (4m <= n); permutation path
+def test_uniform_subsets_ordered_law(n, m):
+    """Brute-force reference: each segment is uniform over the n!/(n-m)! ordered m-tuples of distinct ids."""
+    segs = 60_000
+    flat = uniform_subsets(torch.full((segs,), m), n, generator=torch.Generator().manual_seed(5))
+    codes = (flat.view(segs, m).numpy() * n ** np.arange(m)).sum(1)
+    cells = np.bincount(codes, minlength=n**m)
+    tuples = [sum(v * n**j for j, v in enumerate(p)) for p in itertools.permutations(range(n), m)]
+    assert cells[tuples].sum() == segs  # no repeated id
+    assert stats.chisquare(cells[tuples]).pvalue > P_MIN
+
+
+@pytest.mark.parametrize(("n", "q"), [(200_000, 0.005), (1000, 0.5)])
+def test_poisson_chunk_memory_is_o_batch_sizes(n, q):
+    """The tensors a chunk of steps keeps alive hold O(sum of batch sizes) bytes, not O(n) per step (a batch that
+    is a slice of an n-long permutation keeps the whole permutation)."""
+    s = PoissonSampler(n, sampling_rate=q, seed=1)
+    s.batch(0)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in s._batches}
+    total = sum(t.numel() for t in s._batches)
+    assert total > 0.9 * n * q * len(s._batches)
+    assert sum(storages.values()) <= 8 * total + 64 * len(storages)
 
 
 def test_shuffled_batches_cover_each_epoch_once():

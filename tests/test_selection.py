@@ -9,15 +9,8 @@ import pytest
 import torch
 from scipy import stats
 
-import widedp.dp.selection as selection
 import widedp.dp.selection.base as selection_base
-from widedp.config import (
-    AllRowsConfig,
-    ExponentialSelectionConfig,
-    RandomSparsificationConfig,
-    SparseVectorSelectionConfig,
-    UniformSelectionConfig,
-)
+import widedp.dp.selection.exponential as selection_exponential
 from widedp.dp.noise import laplace
 from widedp.dp.selection import (
     AllRowsSelector,
@@ -28,11 +21,9 @@ from widedp.dp.selection import (
     UniformSelector,
     gumbel_topk,
     gumbel_topk_sparse,
-    make_selector,
     sample_distinct,
 )
-from widedp.dp.spend import ExponentialSpend, FreeSpend, SparseVectorSpend
-from widedp.errors import ConfigError
+from widedp.dp.spend import FreeSpend
 
 CTX = SelectionContext(epoch=0, num_epochs=1)
 
@@ -48,7 +39,7 @@ def _one_thread():
 def _dense_factor(monkeypatch, value: int) -> None:
     """Set ``_DENSE_FACTOR`` where ``sample_distinct`` and the exponential selector read it."""
     monkeypatch.setattr(selection_base, "_DENSE_FACTOR", value)
-    monkeypatch.setattr(selection, "_DENSE_FACTOR", value)
+    monkeypatch.setattr(selection_exponential, "_DENSE_FACTOR", value)
 
 
 def ordered_law(logits, k: int) -> dict[tuple[int, ...], float]:
@@ -153,8 +144,8 @@ def test_sparse_gumbel_topk_matches_brute_force(monkeypatch, dense_factor):
 
 def test_sorted_untouched_ids_are_detected(monkeypatch):
     """Negative control of §4.6: order statistics attached to untouched ids in sorted order is biased."""
-    original = selection.sample_distinct
-    monkeypatch.setattr(selection, "sample_distinct", lambda *a, **kw: original(*a, **kw).sort().values)
+    original = selection_exponential.sample_distinct
+    monkeypatch.setattr(selection_exponential, "sample_distinct", lambda *a, **kw: original(*a, **kw).sort().values)
     touched = torch.tensor([1, 4])
     logits = torch.tensor([1.2, 0.4], dtype=torch.float64)
     dense = torch.zeros(6, dtype=torch.float64).index_copy_(0, touched, logits)
@@ -190,19 +181,37 @@ def test_sample_distinct_is_a_uniform_ordered_sample(monkeypatch, dense_factor):
     assert law_pvalue(draws, law) > 1e-3
 
 
-@pytest.mark.parametrize("method", ["fast", "brute"])
+@pytest.mark.parametrize("method", ["sparse", "brute"])
 def test_untouched_rows_stay_candidates(monkeypatch, method):
     """All scores 0 (touched or not): every row, untouched included, is picked with probability 1/R."""
-    _dense_factor(monkeypatch, 0)  # the fast path even at R = 10
-    sel = ExponentialSelector(k=1, epsilon=1.0, score_clip=0.1, method=method, brute_below=0)
+    _dense_factor(monkeypatch, 0)  # the rejection id sampler even at R = 10
+    sel = ExponentialSelector(k=1, epsilon=1.0, score_clip=0.1, method=method)
     touched = torch.tensor([2, 5, 7])
     scores = torch.zeros(3)
     gen = torch.Generator().manual_seed(4)
-    picks = [int(sel.select(touched, scores, num_rows=10, score_sensitivity=0.1, ctx=CTX, generator=gen)[0])
+    picks = [int(sel.select(touched, scores, selectable_rows=10, score_sensitivity=0.1, ctx=CTX, generator=gen))
              for _ in range(5_000)]
     obs = np.bincount(picks, minlength=10)
     assert stats.chisquare(obs).pvalue > 1e-3
     assert obs[[0, 1, 3, 4, 6, 8, 9]].sum() > 0.65 * 5_000  # ~7/10 untouched, not 0
+
+
+def test_method_names_say_which_sampler_runs(monkeypatch):
+    """auto: brute force on a small row space, the O(U + k) sampler on a large one; sparse and brute: always."""
+    calls = []
+    for f in ("gumbel_topk", "gumbel_topk_sparse"):
+        original = getattr(selection_exponential, f)
+        monkeypatch.setattr(selection_exponential, f, lambda *a, f=f, o=original, **kw: calls.append(f) or o(*a, **kw))
+    touched, scores = torch.tensor([1, 3]), torch.tensor([0.1, 0.0])
+    for method, rows, used in [("auto", 100, "gumbel_topk"), ("auto", 10**6, "gumbel_topk_sparse"),
+                               ("sparse", 100, "gumbel_topk_sparse"), ("brute", 10**5, "gumbel_topk")]:
+        calls.clear()
+        sel = ExponentialSelector(k=2, epsilon=1.0, score_clip=0.1, method=method)
+        sel.select(touched, scores, selectable_rows=rows, score_sensitivity=0.1, ctx=CTX,
+                   generator=torch.Generator().manual_seed(0))
+        assert calls == [used], (method, rows)
+    with pytest.raises(ValueError, match="method"):
+        ExponentialSelector(k=2, epsilon=1.0, score_clip=0.1, method="fast")
 
 
 # --------------------------------------------------------------------------------------------- sparse vector
@@ -241,7 +250,7 @@ def test_sparse_vector_matches_reference_and_detects_broken_variants():
     scores = torch.tensor([1.0, 0.6])
     dense = [1.0, 0.0, 0.6, 0.0]
     gen = torch.Generator().manual_seed(5)
-    ours = [tuple(sel.select(touched, scores, num_rows=4, score_sensitivity=du, ctx=CTX, generator=gen)[0].tolist())
+    ours = [tuple(sel.select(touched, scores, selectable_rows=4, score_sensitivity=du, ctx=CTX, generator=gen).tolist())
             for _ in range(8_000)]
     rng = random.Random(0)
     kw = {"eps": eps, "threshold": threshold, "cutoff": cutoff, "frac": frac, "du": du, "rng": rng}
@@ -258,7 +267,7 @@ def test_sparse_vector_zero_scores_pick_any_row():
     touched = torch.tensor([1, 2])
     picks = []
     for _ in range(3_000):
-        s, _ = sel.select(touched, torch.zeros(2), num_rows=8, score_sensitivity=1.0, ctx=CTX, generator=gen)
+        s = sel.select(touched, torch.zeros(2), selectable_rows=8, score_sensitivity=1.0, ctx=CTX, generator=gen)
         picks += s.tolist()
     obs = np.bincount(picks, minlength=8)
     assert len(picks) > 2_000 and stats.chisquare(obs).pvalue > 1e-3
@@ -278,12 +287,12 @@ def test_uniform_law():
     gen = torch.Generator().manual_seed(8)
     sel = UniformSelector(k=2)
     empty = torch.zeros(0, dtype=torch.long)
-    draws = _draw(lambda: sel.select(empty, torch.zeros(0), num_rows=5, score_sensitivity=0.0, ctx=CTX,
-                                     generator=gen)[0], 10_000)
+    draws = _draw(lambda: sel.select(empty, torch.zeros(0), selectable_rows=5, score_sensitivity=0.0, ctx=CTX,
+                                     generator=gen), 10_000)
     assert law_pvalue(draws, {o: 1 / 20 for o in itertools.permutations(range(5), 2)}) > 1e-3
     sel = UniformSelector(k=3)  # rejection path
-    draws = _draw(lambda: sel.select(empty, torch.zeros(0), num_rows=1000, score_sensitivity=0.0, ctx=CTX,
-                                     generator=gen)[0], 10_000)
+    draws = _draw(lambda: sel.select(empty, torch.zeros(0), selectable_rows=1000, score_sensitivity=0.0, ctx=CTX,
+                                     generator=gen), 10_000)
     assert all(len(set(d)) == 3 for d in draws.tolist())
     assert stats.chisquare(np.bincount(draws.ravel(), minlength=1000)).pvalue > 1e-3
 
@@ -296,72 +305,40 @@ def test_random_sparsification_mask_per_epoch():
     masks = []
     for e in range(epochs):
         ctx = SelectionContext(epoch=e, num_epochs=epochs)
-        m, spend = sel.select(empty, torch.zeros(0), num_rows=num_rows, score_sensitivity=0.0, ctx=ctx,
-                              generator=gen)
-        again, _ = sel.select(torch.tensor([3]), torch.zeros(1), num_rows=num_rows, score_sensitivity=0.0, ctx=ctx,
-                              generator=gen)
+        m = sel.select(empty, torch.zeros(0), selectable_rows=num_rows, score_sensitivity=0.0, ctx=ctx, generator=gen)
+        again = sel.select(torch.tensor([3]), torch.zeros(1), selectable_rows=num_rows, score_sensitivity=0.0, ctx=ctx,
+                           generator=gen)
         assert torch.equal(m, again)  # constant within the epoch
         assert m.numel() == round((1 - 0.8 * e / (epochs - 1)) * num_rows)  # keep-rate 1, .8, .6, .4, .2
-        assert m.unique().numel() == m.numel() and spend == FreeSpend("random_sparsification")
+        assert m.unique().numel() == m.numel() and sel.spend() == FreeSpend("random_sparsification")
         masks.append(m)
     assert not torch.equal(masks[1], masks[2][: masks[1].numel()])
     assert torch.equal(masks[0], torch.arange(num_rows))
     # without cooling the final rate applies from the first epoch
     flat = RandomSparsificationSelector(final_rate=0.8, gradual_cooling=False)
-    m, _ = flat.select(empty, torch.zeros(0), num_rows=num_rows, score_sensitivity=0.0,
-                       ctx=SelectionContext(0, epochs), generator=gen)
+    m = flat.select(empty, torch.zeros(0), selectable_rows=num_rows, score_sensitivity=0.0,
+                    ctx=SelectionContext(0, epochs), generator=gen)
     assert m.numel() == 200
-    m2, _ = flat.select(empty, torch.zeros(0), num_rows=num_rows, score_sensitivity=0.0,
-                        ctx=SelectionContext(1, epochs), generator=gen)
+    m2 = flat.select(empty, torch.zeros(0), selectable_rows=num_rows, score_sensitivity=0.0,
+                     ctx=SelectionContext(1, epochs), generator=gen)
     assert m2.numel() == 200 and not torch.equal(m, m2)
 
 
 def test_all_rows():
-    s, spend = AllRowsSelector().select(torch.tensor([1]), torch.zeros(1), num_rows=7, score_sensitivity=0.0,
-                                        ctx=CTX, generator=torch.Generator())
-    assert torch.equal(s, torch.arange(7)) and spend == FreeSpend("all")
+    sel = AllRowsSelector()
+    s = sel.select(torch.tensor([1]), torch.zeros(1), selectable_rows=7, score_sensitivity=0.0, ctx=CTX,
+                   generator=torch.Generator())
+    assert torch.equal(s, torch.arange(7)) and sel.spend() == FreeSpend("all")
 
 
 # ------------------------------------------------------------------------------------------ factory, records
 
 
-def test_make_selector_and_spend_records():
-    gen = torch.Generator().manual_seed(10)
-    touched, scores = torch.tensor([0, 5]), torch.tensor([0.05, 0.01])
-    cases = [
-        (ExponentialSelectionConfig(k=3, epsilon=0.5), 3, ExponentialSpend(epsilon=0.5, picks=3)),
-        (ExponentialSelectionConfig(gamma=0.05, method="brute"), 5, ExponentialSpend(epsilon=1.0, picks=5)),
-        (SparseVectorSelectionConfig(cutoff=2, epsilon=3.0), None, SparseVectorSpend(epsilon=3.0, cutoff=2)),
-        (SparseVectorSelectionConfig(release_values=True, epsilon_release=0.2), None,
-         SparseVectorSpend(epsilon=1.0, cutoff=1, epsilon_release=0.2)),
-        (UniformSelectionConfig(gamma=0.001), 1, FreeSpend("uniform")),
-        (RandomSparsificationConfig(final_rate=0.5), 50, FreeSpend("random_sparsification")),  # E = 1: final rate
-        (AllRowsConfig(), 100, FreeSpend("all")),
-    ]
-    for cfg, k, spend in cases:
-        sel = make_selector(cfg, num_rows=100)
-        assert sel.score_clip == getattr(cfg, "score_clip", None)
-        for t in (touched, touched[:0]):  # also an empty batch: nothing touched
-            s, got = sel.select(t, scores[: t.numel()], num_rows=100, score_sensitivity=0.05, ctx=CTX,
-                                generator=gen)
-            assert got == spend, cfg
-            assert s.dtype == torch.long and s.unique().numel() == s.numel()
-            assert ((s >= 0) & (s < 100)).all()
-            if k is not None:
-                assert s.numel() == k
-            else:
-                assert s.numel() <= cfg.cutoff
-    with pytest.raises(ConfigError, match="dp.selection.k"):
-        make_selector(ExponentialSelectionConfig(k=101), num_rows=100)
-    with pytest.raises(ConfigError, match="dp.selection.k"):
-        make_selector(UniformSelectionConfig(k=101), num_rows=100)
-
-
 def test_exponential_k_equals_all_rows():
-    sel = ExponentialSelector(k=9, epsilon=1.0, score_clip=1.0, brute_below=0)
+    sel = ExponentialSelector(k=9, epsilon=1.0, score_clip=1.0, method="sparse")
     for _ in range(3):
-        s, _ = sel.select(torch.tensor([0, 4]), torch.tensor([0.5, 0.2]), num_rows=9, score_sensitivity=1.0, ctx=CTX,
-                          generator=torch.Generator().manual_seed(11))
+        s = sel.select(torch.tensor([0, 4]), torch.tensor([0.5, 0.2]), selectable_rows=9, score_sensitivity=1.0,
+                       ctx=CTX, generator=torch.Generator().manual_seed(11))
         assert sorted(s.tolist()) == list(range(9))
 
 
@@ -373,13 +350,13 @@ def test_random_sparsification_mask_survives_a_resume():
     empty = torch.zeros(0, dtype=torch.long)
     g1 = torch.Generator().manual_seed(5)
     first = RandomSparsificationSelector(final_rate=0.5).select(
-        empty, empty.float(), num_rows=50, score_sensitivity=0.0, ctx=ctx, generator=g1)[0]
+        empty, empty.float(), selectable_rows=50, score_sensitivity=0.0, ctx=ctx, generator=g1)
     g2 = torch.Generator().manual_seed(5)
     torch.rand(1000, generator=g2)  # the resumed generator has advanced
     again = RandomSparsificationSelector(final_rate=0.5).select(
-        empty, empty.float(), num_rows=50, score_sensitivity=0.0, ctx=ctx, generator=g2)[0]
+        empty, empty.float(), selectable_rows=50, score_sensitivity=0.0, ctx=ctx, generator=g2)
     assert torch.equal(first, again)
     other = RandomSparsificationSelector(final_rate=0.5).select(
-        empty, empty.float(), num_rows=50, score_sensitivity=0.0, ctx=SelectionContext(epoch=4, num_epochs=10),
-        generator=g2)[0]
+        empty, empty.float(), selectable_rows=50, score_sensitivity=0.0, ctx=SelectionContext(epoch=4, num_epochs=10),
+        generator=g2)
     assert not torch.equal(first, other)

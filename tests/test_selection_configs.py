@@ -42,3 +42,15 @@ def test_new_selection_keys():
     with pytest.raises(ConfigError, match="threshold"):
         config_from_dict({"dp": {"selection": {"name": "gaussian_threshold", "threshold": 2.0,
                                                "threshold_sigmas": 1.0}}})
+
+
+@pytest.mark.parametrize("name,new", [("exponential", "auto"), ("sparse_vector", "sparse")])
+def test_renamed_method_fast_is_one_line_naming_the_key_and_new_values(name, new):
+    sel = {"name": name, **({"k": 5} if name == "exponential" else {})}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"dp": {"selection": {**sel, "method": "fast"}}})
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("dp.selection.method:") and new in msg and "brute" in msg
+    assert config_from_dict({"dp": {"selection": {**sel, "method": new}}}).dp.selection.method == new
+    with pytest.raises(ConfigError, match="dp.selection.method"):
+        config_from_dict({"dp": {"selection": {"name": "sparse_vector", "method": "auto"}}})

@@ -13,7 +13,7 @@ from scipy import stats
 from scipy.stats import norm
 
 import widedp.dp.selection.gaussian as sg
-from widedp.config import DPConfig, GaussianThresholdSelectionConfig
+from widedp.config import GaussianThresholdSelectionConfig
 from widedp.dp.rowgrads import PerSampleRows
 from widedp.dp.selection import SelectionContext, make_selector
 from widedp.dp.selection.gaussian import GaussianThresholdSelector, false_positives, tail_probability
@@ -21,7 +21,6 @@ from widedp.dp.selection.scores import row_counts
 from widedp.dp.spend import GaussianSelectionSpend
 from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
-from widedp.run.budget import selection_spend
 
 CTX = SelectionContext(epoch=0, num_epochs=1)
 
@@ -81,8 +80,8 @@ def test_selection_law_is_the_exact_product_law_and_a_wrong_std_is_detected(monk
     gen = torch.Generator().manual_seed(1)
 
     def draw(n):
-        return [tuple(sorted(sel.select(touched, counts, num_rows=6, score_sensitivity=1.0, ctx=CTX,
-                                        generator=gen)[0].tolist())) for _ in range(n)]
+        return [tuple(sorted(sel.select(touched, counts, selectable_rows=6, score_sensitivity=1.0, ctx=CTX,
+                                        generator=gen).tolist())) for _ in range(n)]
 
     assert set_pvalue(draw(20_000), law) > 1e-3
     monkeypatch.setattr(sg, "tail_probability", lambda t, s: tail_probability(t, 2 * s))
@@ -159,8 +158,8 @@ def test_max_rows_keeps_a_uniform_subset():
     sel = GaussianThresholdSelector(sigma=0.1, threshold=-10.0, max_rows=2)
     gen = torch.Generator().manual_seed(4)
     touched, counts = torch.tensor([0, 2]), torch.tensor([3.0, 1.0])
-    draws = [tuple(sorted(sel.select(touched, counts, num_rows=5, score_sensitivity=1.0, ctx=CTX,
-                                     generator=gen)[0].tolist())) for _ in range(6_000)]
+    draws = [tuple(sorted(sel.select(touched, counts, selectable_rows=5, score_sensitivity=1.0, ctx=CTX,
+                                     generator=gen).tolist())) for _ in range(6_000)]
     law = {o: 0.1 for o in itertools.combinations(range(5), 2)}
     assert set_pvalue(draws, law) > 1e-3
 
@@ -170,9 +169,9 @@ def test_config_factory_and_spend():
     assert cfg.tau == 10.0
     sel = make_selector(cfg, num_rows=1000)
     assert (sel.sigma, sel.threshold, sel.max_rows, sel.score_kind) == (4.0, 10.0, 100, "contribution")
-    s, spend = sel.select(torch.tensor([3]), torch.tensor([30.0]), num_rows=1000, score_sensitivity=1.0, ctx=CTX,
-                          generator=torch.Generator().manual_seed(5))
-    assert spend == GaussianSelectionSpend(4.0, 1.0) == selection_spend(DPConfig(selection=cfg), 1000)
+    s = sel.select(torch.tensor([3]), torch.tensor([30.0]), selectable_rows=1000, score_sensitivity=1.0, ctx=CTX,
+                   generator=torch.Generator().manual_seed(5))
+    assert sel.spend() == GaussianSelectionSpend(4.0, 1.0)
     assert 3 in s.tolist()
     assert GaussianThresholdSelectionConfig(sigma=3.0).tau == 3.0  # default τ = σ_sel
     for bad in ({"sigma": 1.0, "threshold": 1.0, "threshold_sigmas": 1.0},

@@ -75,10 +75,13 @@ class Recorder:
     def __init__(self, kind, score_clip=None):
         self.score_kind, self.score_clip, self.calls = kind, score_clip, []
 
-    def select(self, touched, scores, *, num_rows, score_sensitivity, ctx, generator):
+    def spend(self):
+        return UniformSelector(k=2).spend()
+
+    def select(self, touched, scores, *, selectable_rows, score_sensitivity, ctx, generator):
         self.calls.append((touched, scores, score_sensitivity))
-        return UniformSelector(k=2).select(touched, scores, num_rows=num_rows, score_sensitivity=score_sensitivity,
-                                           ctx=ctx, generator=generator)
+        return UniformSelector(k=2).select(touched, scores, selectable_rows=selectable_rows,
+                                           score_sensitivity=score_sensitivity, ctx=ctx, generator=generator)
 
 
 @pytest.mark.parametrize("kind,s0,sens", [("count", 2.0, 1.0), ("count", 50.0, 1.0), ("contribution", None, 1.0),

@@ -29,12 +29,12 @@ def two_sample_pvalue(a, b) -> float:
 
 def draws(sel, touched, scores, num_rows, n, seed, du=1.0):
     gen = torch.Generator().manual_seed(seed)
-    return [tuple(sel.select(touched, scores, num_rows=num_rows, score_sensitivity=du, ctx=CTX,
-                             generator=gen)[0].tolist()) for _ in range(n)]
+    return [tuple(sel.select(touched, scores, selectable_rows=num_rows, score_sensitivity=du, ctx=CTX,
+                             generator=gen).tolist()) for _ in range(n)]
 
 
 def selectors(**kw):
-    return (SparseVectorSelector(method="fast", score_clip=1.0, **kw),
+    return (SparseVectorSelector(method="sparse", score_clip=1.0, **kw),
             SparseVectorSelector(method="brute", score_clip=1.0, **kw))
 
 
@@ -48,7 +48,7 @@ def reference():
 
 
 @pytest.mark.parametrize("dense_factor", [4, 0])  # 0: positions by the rejection sampler
-def test_fast_matches_brute_force(monkeypatch, reference, dense_factor):
+def test_sparse_matches_brute_force(monkeypatch, reference, dense_factor):
     """Ordered outcomes on R = 6 (2 touched), c = 2: the same law as the O(R) reference."""
     monkeypatch.setattr(selection_base, "_DENSE_FACTOR", dense_factor)
     a = draws(selectors(**KW)[0], TOUCHED, SCORES, 6, 10_000, 0)
@@ -68,14 +68,14 @@ def test_broken_skips_are_detected(monkeypatch, reference, broken):
     assert two_sample_pvalue(a, reference) < 1e-6
 
 
-def test_fast_matches_brute_force_at_moderate_size():
+def test_sparse_matches_brute_force_at_moderate_size():
     """R = 60, 6 touched, c = 3, low threshold (many untouched answers): first pick, second pick and the number of
     picks have the reference's laws."""
     kw = {"epsilon": 2.0, "threshold": 0.8, "cutoff": 3, "threshold_fraction": 0.5}
     touched = torch.tensor([3, 17, 18, 30, 44, 59])
     scores = torch.tensor([2.0, 1.5, 0.2, 3.0, 0.7, 1.0])
-    fast, brute = selectors(**kw)
-    a = draws(fast, touched, scores, 60, 8_000, 2)
+    sparse, brute = selectors(**kw)
+    a = draws(sparse, touched, scores, 60, 8_000, 2)
     b = draws(brute, touched, scores, 60, 8_000, 3)
     assert two_sample_pvalue([len(o) for o in a], [len(o) for o in b]) > 1e-3
     for i in (0, 1):
@@ -86,11 +86,11 @@ def test_fast_matches_brute_force_at_moderate_size():
 def test_trillion_rows_and_factory():
     sel = make_selector(SparseVectorSelectionConfig(epsilon=5.0, threshold=0.01, cutoff=50, score_clip=0.05),
                         num_rows=10**12)
-    assert sel.method == "fast" and sel.score_kind == "norm"
+    assert sel.method == "sparse" and sel.score_kind == "norm"
     gen = torch.Generator().manual_seed(4)
     t0 = time.perf_counter()
-    s, spend = sel.select(torch.tensor([1, 5, 10**11]), torch.tensor([0.05, 0.02, 0.0]), num_rows=10**12,
-                          score_sensitivity=0.05, ctx=CTX, generator=gen)
+    s = sel.select(torch.tensor([1, 5, 10**11]), torch.tensor([0.05, 0.02, 0.0]), selectable_rows=10**12,
+                   score_sensitivity=0.05, ctx=CTX, generator=gen)
     assert time.perf_counter() - t0 < 5
-    assert s.numel() == 50 and s.unique().numel() == 50 and spend.cutoff == 50
+    assert s.numel() == 50 and s.unique().numel() == 50 and sel.spend().cutoff == 50
     assert make_selector(SparseVectorSelectionConfig(method="brute"), num_rows=10).method == "brute"

@@ -111,10 +111,13 @@ class RecordingSelector:
         self.score_kind = "none" if score_clip is None else "norm"
         self.calls = []
 
-    def select(self, touched, scores, *, num_rows, score_sensitivity, ctx, generator):
-        self.calls.append((touched, scores, num_rows, score_sensitivity))
-        return UniformSelector(k=5).select(touched, scores, num_rows=num_rows, score_sensitivity=score_sensitivity,
-                                           ctx=ctx, generator=generator)
+    def spend(self):
+        return UniformSelector(k=5).spend()
+
+    def select(self, touched, scores, *, selectable_rows, score_sensitivity, ctx, generator):
+        self.calls.append((touched, scores, selectable_rows, score_sensitivity))
+        return UniformSelector(k=5).select(touched, scores, selectable_rows=selectable_rows,
+                                           score_sensitivity=score_sensitivity, ctx=ctx, generator=generator)
 
 
 def test_step_hands_scores_and_score_sensitivity_to_the_selector():
@@ -124,8 +127,8 @@ def test_step_hands_scores_and_score_sensitivity_to_the_selector():
     for s0, expected_du in ((0.05, 0.05), (10.0, 0.25)):  # Δu = min(S0, S1/b)
         sel = RecordingSelector(s0)
         step(g, sel, gen, b=4.0, clip1=1.0)
-        touched, scores, num_rows, du = sel.calls[0]
-        assert torch.equal(touched, torch.unique(g.rows)) and num_rows == 30
+        touched, scores, selectable, du = sel.calls[0]
+        assert torch.equal(touched, torch.unique(g.rows)) and selectable == 30
         assert du == pytest.approx(expected_du)
         torch.testing.assert_close(scores, ghat[touched].norm(dim=1).clamp(max=s0))
     sel = RecordingSelector(None)  # a selector without scores: none computed

@@ -49,7 +49,7 @@ from widedp.dp.rowgrads import PerSampleRows
 from widedp.dp.sampling import PoissonSampler
 from widedp.dp.selection import SelectionContext, make_selector
 from widedp.dp.spend import StepSpend
-from widedp.dp.step import StepStats, dp_step
+from widedp.dp.step import StepStats, dp_step, dp_step_spend
 from widedp.errors import ConfigError
 from widedp.run import budget
 
@@ -201,9 +201,10 @@ class PrivacyEngine:
         self._start_randomness(self._seeds)
 
     def _spend(self, sigma: float) -> StepSpend:
-        """What one step spends at noise multiplier ``sigma`` (the same record ``widedp epsilon`` composes)."""
-        dp = dataclasses.replace(self._dp, noise_multiplier=sigma)
-        return budget.step_spend(dp, num_rows=self.layout.table_rows, batch_size=self.batch_size, n=self.n)
+        """What one step spends at noise multiplier ``sigma`` (the record ``dp_step`` emits)."""
+        dp = self._dp
+        return dp_step_spend(self._selector, sampling_rate=self.sampling_rate, noise_multiplier=sigma, clip1=dp.clip1,
+                             clip2=dp.clip2, batch_size=self.batch_size)
 
     def _start_randomness(self, seeds: rng.RunSeeds) -> None:
         self._seeds = seeds

@@ -33,6 +33,7 @@ from widedp.config.selection import (  # noqa: F401  (the dp.selection section l
     SelectionConfig,
     SparseVectorSelectionConfig,
     UniformSelectionConfig,
+    refuse_renamed_method,
 )
 from widedp.config.tools import (
     apply_override,
@@ -264,6 +265,7 @@ def _dp_config(dp_raw: Any) -> DPConfig | None:
     name = sel_raw.get("name")
     if not isinstance(name, str) or name not in SELECTIONS:
         raise ConfigError(f"dp.selection.name: expected one of {', '.join(SELECTIONS)}, got {show(name)}")
+    refuse_renamed_method(name, sel_raw)
     pre_raw = dp_raw.pop("preselect", None)
     preselect = None if pre_raw is None else build("dp.preselect", PreselectConfig, pre_raw)
     return build("dp", DPConfig, dp_raw, selection=build("dp.selection", SELECTIONS[name], sel_raw),

@@ -92,7 +92,9 @@ class ExponentialSelectionConfig:
         k: rows selected per step; or ``gamma``: the fraction of all rows (k = max(1, round(gamma * R))).
         epsilon: epsilon'' of each pick.
         score_clip: S0; a row's score is min(||g_r||_2, S0) (``score: count``: min(n_r, S0)).
-        method: ``fast`` (O(rows touched + k), order statistics for untouched rows) or ``brute`` (O(R) reference).
+        method: ``auto`` (``brute`` below 4,096 rows or where R <= 4(rows touched + k), else ``sparse``), ``sparse``
+            (always O(rows touched + k): order statistics for the untouched rows) or ``brute`` (O(R) reference);
+            the same output law.
         score: ``norm`` (gradient norms, sensitivity min(S0, S1/b)) or ``count`` (n_r, the number of samples that
             touched row r: scale-free, sensitivity min(S0, 1); needs score_clip >= 1).
     """
@@ -102,7 +104,7 @@ class ExponentialSelectionConfig:
     gamma: float | None = None
     epsilon: float = 1.0
     score_clip: float = 0.1
-    method: Literal["fast", "brute"] = "fast"
+    method: Literal["auto", "sparse", "brute"] = "auto"
     score: Literal["norm", "count"] = "norm"
 
     def __post_init__(self) -> None:
@@ -129,7 +131,7 @@ class SparseVectorSelectionConfig:
         cutoff: c, the number of rows selected at most (each selected row ends a segment; charged c segments).
         score_clip: S0.
         release_values: also release u_r + Lap (NumericSparse) — costs ``epsilon_release`` per selected row.
-        method: ``fast`` (O(rows touched + c): geometric skips over the untouched rows) or ``brute`` (O(R)
+        method: ``sparse`` (O(rows touched + c): geometric skips over the untouched rows) or ``brute`` (O(R)
             reference); the same output law.
         score: ``norm`` or ``count`` (as for exponential).
     """
@@ -142,7 +144,7 @@ class SparseVectorSelectionConfig:
     score_clip: float = 0.1
     release_values: bool = False
     epsilon_release: float = 0.0
-    method: Literal["fast", "brute"] = "fast"
+    method: Literal["sparse", "brute"] = "sparse"
     score: Literal["norm", "count"] = "norm"
 
     def __post_init__(self) -> None:
@@ -190,6 +192,20 @@ class AllRowsConfig:
     """Every row selected: DP-SGD on the same model."""
 
     name: Literal["all"] = "all"
+
+
+#: ``dp.selection.method: fast`` meant "O(U + k), except brute force on small row spaces" (exponential) and
+#: "O(U + c)" (sparse vector); renamed to what each does.
+_RENAMED_METHODS = {
+    "exponential": "auto (the O(rows touched + k) path, brute force below 4,096 rows), sparse or brute",
+    "sparse_vector": "sparse (O(rows touched + c)) or brute",
+}
+
+
+def refuse_renamed_method(name: str, raw: dict) -> None:
+    """One line naming ``dp.selection.method`` and its new values when a config still says ``fast``."""
+    if raw.get("method") == "fast" and name in _RENAMED_METHODS:
+        raise ConfigError(f"dp.selection.method: 'fast' was renamed; use {_RENAMED_METHODS[name]}")
 
 
 SelectionConfig = (

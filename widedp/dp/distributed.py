@@ -47,7 +47,8 @@ from widedp.dp.optim import RowOptimizer
 from widedp.dp.rowgrads import PerSampleRows, SparseRows, coalesce
 from widedp.dp.selection import ExponentialSelector, SelectionContext, Selector, sample_distinct
 from widedp.dp.selection.scores import sample_row_counts, selection_scores
-from widedp.dp.spend import ExponentialSpend, GaussianSpend, StepSpend
+from widedp.dp.spend import StepSpend
+from widedp.dp.step import dp_step_spend
 from widedp.models.recsys import RecsysBatch, RecsysModel, dense_layers, entry_grads, head_grads, head_logits
 
 
@@ -311,7 +312,6 @@ def distributed_dp_step(local: PerSampleRows, g_dense: Tensor, shard: RowShard, 
     if isinstance(selector, ExponentialSelector):
         sel = sharded_gumbel_topk(touched, scores * selector.key_scale(score_sens), shard, k=selector.k,
                                   generator=generator)
-        sel_spend = ExponentialSpend(epsilon=selector.epsilon, picks=selector.k)
     else:
         all_touched = _all_gather_var(touched)
         all_scores = _all_gather_var(scores) if kind != "none" else scores
@@ -319,8 +319,8 @@ def distributed_dp_step(local: PerSampleRows, g_dense: Tensor, shard: RowShard, 
         all_touched = all_touched.index_select(0, order)
         if kind != "none":
             all_scores = all_scores.index_select(0, order)
-        sel, sel_spend = selector.select(all_touched, all_scores, num_rows=R, score_sensitivity=score_sens, ctx=ctx,
-                                         generator=shared_generator)
+        sel = selector.select(all_touched, all_scores, selectable_rows=R, score_sensitivity=score_sens, ctx=ctx,
+                              generator=shared_generator)
     own_sel = sel.index_select(0, shard.is_own(sel).nonzero().squeeze(1))
     delta, _ = restrict(touched, ghat, own_sel)
     sq2 = delta.square().sum().reshape(1)
@@ -337,7 +337,8 @@ def distributed_dp_step(local: PerSampleRows, g_dense: Tensor, shard: RowShard, 
     dist.broadcast(dense_noise, src=0)
     dense_ids = torch.arange(R, R + A, device=sel.device)
     grad = SparseRows(torch.cat([own_sel, dense_ids]), torch.cat([delta, ghat_dense + dense_noise]), R + A)
-    spend = StepSpend(sampling_rate, (GaussianSpend(noise_multiplier, d2), sel_spend))
+    spend = dp_step_spend(selector, sampling_rate=sampling_rate, noise_multiplier=noise_multiplier, clip1=clip1,
+                          clip2=clip2, batch_size=batch_size)
     return DistStepResult(grad, torch.cat([sel, dense_ids]), spend, clip.nonfinite.sum())
 
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from widedp.dp.selection.base import member
+
 _CHUNK = 1024  # Poisson steps drawn together (one generator seeding per chunk)
+_DENSE_FACTOR = 4  # a batch of m > n / 4 is a permutation prefix (as ``widedp.dp.selection.base.sample_distinct``)
+_BLOCK = 2**16  # draws deduplicated together
 
 
 def _gen(seed: int, salt: int, device: torch.device) -> torch.Generator:
@@ -21,8 +25,8 @@ def _gen(seed: int, salt: int, device: torch.device) -> torch.Generator:
 class PoissonSampler:
     """Every one of ``n`` examples joins each step's batch independently with probability ``sampling_rate``.
 
-    The batch size is Binomial(n, q); the members are a uniform subset of that size (drawn by rejection: iid
-    uniform ids, a step whose ids collide is redrawn as a random permutation prefix — both are uniform subsets).
+    The batch size is Binomial(n, q); the members are a uniform subset of that size, in random order
+    (``uniform_subsets``). Steps are drawn ``_CHUNK`` at a time, in O(sum of their batch sizes) time and memory.
     """
 
     def __init__(self, n: int, *, sampling_rate: float, seed: int, device: torch.device | str = "cpu") -> None:
@@ -42,15 +46,81 @@ class PoissonSampler:
         return self._batches[pos]
 
     def _draw_chunk(self, chunk: int) -> list[Tensor]:
+        """The chunk's batches: views into one [sum m] tensor on ``device``."""
         g = _gen(self.seed, chunk, self.device)
         counts = torch.binomial(torch.full((_CHUNK,), float(self.n)), torch.full((_CHUNK,), self.q), generator=g)
         counts = counts.long()
-        ids = torch.randint(self.n, (int(counts.sum()),), generator=g)
-        parts = list(torch.split(ids, counts.tolist()))
-        for i, p in enumerate(parts):
-            if p.numel() > 1 and torch.unique(p).numel() < p.numel():
-                parts[i] = torch.randperm(self.n, generator=g)[: p.numel()]
-        return [p.to(self.device, non_blocking=True) for p in parts]
+        flat = uniform_subsets(counts, self.n, generator=g)
+        return list(torch.split(flat.to(self.device, non_blocking=True), counts.tolist()))
+
+
+def uniform_subsets(counts: Tensor, n: int, *, generator: torch.Generator) -> Tensor:
+    """[sum(counts)] int64: segment i (``counts[i]`` long, in order) is a uniform random subset of [0, n) of that
+    size, in random order, independently over segments. O(sum(counts)) time and memory (CPU).
+
+    A segment with 4·m <= n takes the first m distinct values of its own i.i.d. uniform sequence (each new distinct
+    value is uniform over the values not yet taken: an exact uniform ordered sample; only the duplicates cost
+    redraws, all segments at once). A denser one is a permutation prefix (O(n) <= O(4m)).
+    """
+    counts = counts.long().cpu()
+    dense = _DENSE_FACTOR * counts > n
+    sparse = counts.masked_fill(dense, 0)
+    # segments in blocks of ~_BLOCK draws, so the temporaries stay small next to the result
+    _, per_block = torch.unique_consecutive((torch.cumsum(sparse, 0) - sparse) // _BLOCK, return_counts=True)
+    flat = torch.cat([_first_distinct(c, n, generator) for c in torch.split(sparse, per_block.tolist())])
+    if not bool(dense.any()):
+        return flat
+    parts = list(torch.split(flat, sparse.tolist()))
+    for i in dense.nonzero().flatten().tolist():
+        parts[i] = torch.randperm(n, generator=generator)[: int(counts[i])]
+    return torch.cat(parts)  # a copy: no n-long permutation stays alive
+
+
+def _first_distinct(counts: Tensor, n: int, generator: torch.Generator) -> Tensor:
+    """Per segment, the first ``counts[i]`` distinct values of an i.i.d. uniform sequence on [0, n) (needs
+    4·counts[i] <= n). One sort drops the repeats of the first counts[i] draws; each short segment then draws
+    2·deficit + 8 more, keeping the new values' first occurrences (in order) up to its deficit."""
+    segs = torch.arange(counts.numel())
+    seg = segs.repeat_interleave(counts)  # segment-contiguous, in draw order (as every piece below)
+    ids = torch.randint(max(n, 1), (seg.numel(),), generator=generator)
+    keep, drawn = _first_occurrences(seg * n + ids)
+    pieces = [(ids[keep], seg[keep])]
+    taken = [drawn]  # sorted (segment, id) keys drawn so far
+    have = torch.bincount(pieces[0][1], minlength=counts.numel())
+    while bool((deficit := counts - have).any()):
+        extra = torch.where(deficit > 0, 2 * deficit + 8, 0)
+        e_seg = segs.repeat_interleave(extra)
+        e = torch.randint(n, (e_seg.numel(),), generator=generator)
+        e_keys = e_seg * n + e
+        new, drawn = _first_occurrences(e_keys)
+        for t in taken:
+            new &= ~member(e_keys, t)
+        e, e_seg = _head(e[new], e_seg[new], deficit)
+        pieces.append((e, e_seg))
+        taken.append(drawn)  # (also the draws not kept: harmless, they are never first occurrences again)
+        have += torch.bincount(e_seg, minlength=counts.numel())
+    out = torch.empty(int(counts.sum()), dtype=torch.long)
+    filled = torch.cumsum(counts, 0) - counts  # next free slot of each segment
+    for p_ids, p_seg in pieces:
+        h = torch.bincount(p_seg, minlength=counts.numel())
+        out[filled[p_seg] + torch.arange(p_seg.numel()) - (torch.cumsum(h, 0) - h)[p_seg]] = p_ids
+        filled += h
+    return out
+
+
+def _first_occurrences(keys: Tensor) -> tuple[Tensor, Tensor]:
+    """[len(keys)] bool, keys[i] does not occur in keys[:i]; and the distinct keys, sorted."""
+    sk, order = torch.sort(keys, stable=True)
+    first = torch.ones_like(sk, dtype=torch.bool)
+    first[1:] = sk[1:] != sk[:-1]
+    return torch.zeros_like(first).index_fill_(0, order[first], True), sk[first]
+
+
+def _head(values: Tensor, seg: Tensor, limit: Tensor) -> tuple[Tensor, Tensor]:
+    """The first ``limit[s]`` entries of each segment s of (segment-contiguous) ``values``."""
+    h = torch.bincount(seg, minlength=limit.numel())
+    ok = torch.arange(seg.numel()) - (torch.cumsum(h, 0) - h)[seg] < limit[seg]
+    return values[ok], seg[ok]
 
 
 class ShuffledBatches:

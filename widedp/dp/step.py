@@ -51,6 +51,16 @@ class StepResult:
     stats: StepStats
 
 
+def dp_step_spend(selector: Selector, *, sampling_rate: float, noise_multiplier: float, clip1: float,
+                  clip2: float | None, batch_size: float) -> StepSpend:
+    """What one ``dp_step`` with these arguments spends, known before it runs: the Gaussian noise at
+    Δ₂ = min(S1/b, 2·S2) and ``selector.spend()``, on the same Poisson(q) batch (composed jointly by the accountant).
+    The one statement of a step's cost: the step, the distributed step and the budget (``widedp.run.budget``) use it.
+    """
+    d2 = sensitivity(clip1=clip1, clip2=clip2, batch_size=batch_size)
+    return StepSpend(sampling_rate, (GaussianSpend(noise_multiplier, d2), selector.spend()))
+
+
 def dp_step(
     g: PerSampleRows,
     *,
@@ -70,8 +80,7 @@ def dp_step(
     batch size) -> the selector's scores (``selector.score_kind``: u_r = min(||ĝ_r||, S0) with Δu = min(S0, S1/b),
     sample counts, or ℓ2-normalised contribution counts with ℓ2 sensitivity 1; ``widedp.dp.selection.scores``) ->
     select rows M among ALL R rows -> Δ̂ = clip_S2(M ⊙ ĝ) -> + N(0, (σΔ₂)²) on every coordinate of every selected
-    row, Δ₂ = min(S1/b, 2·S2). The spend: the Gaussian noise and whatever the selector states it spent, on the same
-    Poisson(q) batch (composed jointly by the accountant). ``g``'s samples may be privacy units (a unit's rows
+    row, Δ₂ = min(S1/b, 2·S2). The spend: ``dp_step_spend``. ``g``'s samples may be privacy units (a unit's rows
     merged): every sensitivity is per input sample.
 
     ``always_rows`` A (default: ``g.always_rows`` when ``g`` carries one, e.g. a recommender's dense MLP stored as
@@ -83,18 +92,17 @@ def dp_step(
     n_always = getattr(g, "always_rows", 0) if always_rows is None else always_rows
     clipped, clip = clip_per_sample(g, clip1=clip1)  # nothing non-finite from here on
     touched, ghat = aggregate(clipped, batch_size=batch_size)  # [U], [U, D]
-    sel_rows, sel_touched, sel_ghat = g.num_rows - n_always, touched, ghat
+    selectable, sel_touched, sel_ghat = g.num_rows - n_always, touched, ghat
     if n_always:
-        u = int(torch.searchsorted(touched, sel_rows))  # touched is sorted: the selectable ones come first
+        u = int(torch.searchsorted(touched, selectable))  # touched is sorted: the selectable ones come first
         sel_touched, sel_ghat = touched[:u], ghat[:u]
 
     scores, score_sens = selection_scores(selector.score_kind, g, sel_touched, sel_ghat, score_clip=selector.score_clip,
                                           clip1=clip1, batch_size=batch_size)
-    selected, selection_spend = selector.select(
-        sel_touched, scores, num_rows=sel_rows, score_sensitivity=score_sens, ctx=ctx, generator=generator
-    )
+    selected = selector.select(sel_touched, scores, selectable_rows=selectable, score_sensitivity=score_sens, ctx=ctx,
+                               generator=generator)
     if n_always:
-        selected = torch.cat([selected, torch.arange(sel_rows, g.num_rows, device=selected.device)])
+        selected = torch.cat([selected, torch.arange(selectable, g.num_rows, device=selected.device)])
 
     delta, hit = restrict(touched, ghat, selected)  # [k, D]; zeros on selected rows the batch did not touch
     delta, clipped2 = clip_l2(delta, clip=clip2)
@@ -111,5 +119,6 @@ def dp_step(
         clipped2=clipped2,
         nonfinite=clip.nonfinite.sum(),
     )
-    spend = StepSpend(sampling_rate, (GaussianSpend(noise_multiplier, d2), selection_spend))
+    spend = dp_step_spend(selector, sampling_rate=sampling_rate, noise_multiplier=noise_multiplier, clip1=clip1,
+                          clip2=clip2, batch_size=batch_size)
     return StepResult(SparseRows(selected, delta + noise, g.num_rows), selected, spend, stats)

@@ -21,26 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from widedp import accounting
-from widedp.config import (
-    AllRowsConfig,
-    Config,
-    DPConfig,
-    ExponentialSelectionConfig,
-    GaussianThresholdSelectionConfig,
-    RandomSparsificationConfig,
-    SparseVectorSelectionConfig,
-    UniformSelectionConfig,
-)
-from widedp.dp.noise import sensitivity
-from widedp.dp.spend import (
-    ExponentialSpend,
-    FreeSpend,
-    GaussianSelectionSpend,
-    GaussianSpend,
-    SparseVectorSpend,
-    Spend,
-    StepSpend,
-)
+from widedp.config import Config, DPConfig, GaussianThresholdSelectionConfig
+from widedp.dp.selection import make_selector
+from widedp.dp.spend import GaussianSpend, StepSpend
+from widedp.dp.step import dp_step_spend
 from widedp.errors import ConfigError
 from widedp.run.checkpoint import read_json, write_json
 
@@ -53,36 +37,11 @@ JOURNAL = "spent.json"
 PRESELECT_WIRED = False
 
 
-def selection_k(k: int | None, gamma: float | None, num_rows: int) -> int:
-    """Rows per step from ``k`` or ``gamma`` (fraction of all rows)."""
-    out = k if k is not None else max(1, round(gamma * num_rows))  # type: ignore[operator]
-    if out > num_rows:
-        raise ConfigError(f"dp.selection.k: {out} rows asked for but the model has only {num_rows}")
-    return out
-
-
-def selection_spend(dp: DPConfig, num_rows: int) -> Spend:
-    """What one step's selection spends (data-independent: known before training)."""
-    s = dp.selection
-    if isinstance(s, ExponentialSelectionConfig):
-        return ExponentialSpend(epsilon=s.epsilon, picks=selection_k(s.k, s.gamma, num_rows))
-    if isinstance(s, SparseVectorSelectionConfig):
-        return SparseVectorSpend(
-            epsilon=s.epsilon, cutoff=s.cutoff, epsilon_release=s.epsilon_release if s.release_values else 0.0
-        )
-    if isinstance(s, GaussianThresholdSelectionConfig):  # contribution counts: l2 sensitivity 1
-        return GaussianSelectionSpend(noise_multiplier=s.sigma, sensitivity=1.0)
-    assert isinstance(s, (UniformSelectionConfig, RandomSparsificationConfig, AllRowsConfig))
-    return FreeSpend(s.name)
-
-
 def step_spend(dp: DPConfig, *, num_rows: int, batch_size: int, n: int) -> StepSpend:
-    """The StepSpend every step of this config emits (the step itself emits the same record)."""
-    delta2 = sensitivity(clip1=dp.clip1, clip2=dp.clip2, batch_size=batch_size)
-    return StepSpend(
-        sampling_rate=batch_size / n,
-        parts=(GaussianSpend(noise_multiplier=dp.noise_multiplier, sensitivity=delta2), selection_spend(dp, num_rows)),
-    )
+    """The StepSpend every step of this config emits: ``dp_step_spend`` of the selector ``make_selector`` builds over
+    the model's R = ``num_rows`` rows (the record the step itself emits)."""
+    return dp_step_spend(make_selector(dp.selection, num_rows=num_rows), sampling_rate=batch_size / n,
+                         noise_multiplier=dp.noise_multiplier, clip1=dp.clip1, clip2=dp.clip2, batch_size=batch_size)
 
 
 def vocabulary_spend(vocab_dp: Any) -> StepSpend:

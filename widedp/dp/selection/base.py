@@ -33,25 +33,31 @@ class Selector(Protocol):
 
     ``score_kind`` names the scores it reads (``ScoreKind``; the step computes only those and passes an empty
     ``scores`` for ``none``); ``score_clip`` is S0 for ``norm`` / ``count`` scores, else ``None``.
+
+    ``spend()`` is what one step of it costs, the only place that says so: ``dp_step``, the distributed step, the
+    budget (``widedp epsilon``, calibration, the journal) all read it. It depends on the selector's parameters only
+    (known before training, whatever the batch); ``select`` draws the rows.
     """
 
     score_kind: ScoreKind
     score_clip: float | None
 
-    def select(
-        self,
-        touched: Tensor,
-        scores: Tensor,
-        *,
-        num_rows: int,
-        score_sensitivity: float,
-        ctx: SelectionContext,
-        generator: torch.Generator,
-    ) -> tuple[Tensor, Spend]:
-        """touched: [U] sorted unique ids; scores: [U] (or empty, see above); score_sensitivity: how far one sample
-        moves them (per row for ``norm`` / ``count``, ℓ2 over all rows for ``contribution``).
+    def spend(self) -> Spend:
+        """What one ``select`` costs (composed with the step's noise on the same Poisson batch)."""
+        ...
 
-        Returns [k] distinct int64 row ids on ``touched.device`` and the mechanism's ``Spend``.
+    def select(self, touched: Tensor, scores: Tensor, *, selectable_rows: int, score_sensitivity: float,
+               ctx: SelectionContext, generator: torch.Generator) -> Tensor:
+        """Rows drawn among ALL ``selectable_rows`` rows [0, R_sel), untouched ones included (R_sel: the model's
+        rows minus those selected every step, or the pre-selected ones).
+
+        Args:
+            touched: [U] sorted unique ids in [0, R_sel); scores: [U] (or empty, see above).
+            score_sensitivity: how far one sample moves the scores (per row for ``norm`` / ``count``, ℓ2 over all
+                rows for ``contribution``).
+
+        Returns:
+            [k] distinct int64 row ids on ``touched.device``.
         """
         ...
 

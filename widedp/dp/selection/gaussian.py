@@ -23,6 +23,7 @@ from torch import Tensor
 
 from widedp.dp.noise import gaussian_noise
 from widedp.dp.selection.base import ScoreKind, SelectionContext, sample_distinct
+from widedp.dp.selection.scores import CONTRIBUTION_SENSITIVITY
 from widedp.dp.spend import GaussianSelectionSpend, Spend
 
 
@@ -76,20 +77,15 @@ class GaussianThresholdSelector:
     score_kind: ScoreKind = "contribution"
     score_clip: float | None = None  # contribution counts are not clipped: their ℓ2 sensitivity is 1
 
-    def select(
-        self,
-        touched: Tensor,
-        scores: Tensor,
-        *,
-        num_rows: int,
-        score_sensitivity: float,
-        ctx: SelectionContext,
-        generator: torch.Generator,
-    ) -> tuple[Tensor, Spend]:
-        hits, _, fp = threshold_rows(touched, scores, num_rows=num_rows, std=self.sigma * score_sensitivity,
+    def spend(self) -> Spend:
+        return GaussianSelectionSpend(noise_multiplier=self.sigma, sensitivity=CONTRIBUTION_SENSITIVITY)
+
+    def select(self, touched: Tensor, scores: Tensor, *, selectable_rows: int, score_sensitivity: float,
+               ctx: SelectionContext, generator: torch.Generator) -> Tensor:
+        hits, _, fp = threshold_rows(touched, scores, num_rows=selectable_rows, std=self.sigma * score_sensitivity,
                                      threshold=self.threshold, generator=generator)
         sel = torch.cat([hits, fp])
         if self.max_rows is not None and sel.numel() > self.max_rows:
             keep = torch.randperm(sel.numel(), generator=generator, device=sel.device)[: self.max_rows]
             sel = sel.index_select(0, keep)
-        return sel, GaussianSelectionSpend(noise_multiplier=self.sigma, sensitivity=score_sensitivity)
+        return sel

@@ -95,24 +95,19 @@ class PreselectedSelector:
     def score_clip(self) -> float | None:
         return self.base.score_clip
 
-    def select(
-        self,
-        touched: Tensor,
-        scores: Tensor,
-        *,
-        num_rows: int,
-        score_sensitivity: float,
-        ctx: SelectionContext,
-        generator: torch.Generator,
-    ) -> tuple[Tensor, Spend]:
+    def spend(self) -> Spend:
+        return self.base.spend()
+
+    def select(self, touched: Tensor, scores: Tensor, *, selectable_rows: int, score_sensitivity: float,
+               ctx: SelectionContext, generator: torch.Generator) -> Tensor:
         rows = self.rows.to(touched.device)
         k = rows.numel()
         pos = torch.searchsorted(rows, touched).clamp_(max=k - 1)
         inside = rows.index_select(0, pos) == touched
         local_scores = scores[inside] if scores.numel() else scores
-        sel, spend = self.base.select(pos[inside], local_scores, num_rows=k, score_sensitivity=score_sensitivity,
-                                      ctx=ctx, generator=generator)
-        return rows.index_select(0, sel), spend
+        sel = self.base.select(pos[inside], local_scores, selectable_rows=k, score_sensitivity=score_sensitivity,
+                               ctx=ctx, generator=generator)
+        return rows.index_select(0, sel)
 
 
 def preselected(base: Selector, rows: Tensor) -> PreselectedSelector:

@@ -21,6 +21,9 @@ from torch import Tensor
 
 from widedp.dp.rowgrads import PerSampleRows
 
+#: How far one sample moves the contribution counts, in ℓ2 (each sample's indicator has norm 1, or 0).
+CONTRIBUTION_SENSITIVITY = 1.0
+
 
 def _pairs(g: PerSampleRows, touched: Tensor) -> tuple[Tensor, Tensor]:
     """The distinct (sample, row) pairs of ``g`` on rows of ``touched`` (non-empty): ([n] sample, [n] index into
@@ -77,5 +80,6 @@ def selection_scores(kind: str, g: PerSampleRows, touched: Tensor, ghat: Tensor,
         assert score_clip is not None
         return row_counts(g, touched, normalise=False, dtype=ghat.dtype).clamp_(max=score_clip), min(score_clip, 1.0)
     if kind == "contribution":
-        return row_counts(g, touched, normalise=True, dtype=ghat.dtype, sample_rows=sample_rows), 1.0
+        return (row_counts(g, touched, normalise=True, dtype=ghat.dtype, sample_rows=sample_rows),
+                CONTRIBUTION_SENSITIVITY)
     raise ValueError(f"unknown score kind {kind!r}")

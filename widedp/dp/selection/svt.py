@@ -3,7 +3,7 @@
 Each segment (ended by an above-threshold answer) is ε-DP: threshold noise Lap(Δu/ε1), query noise Lap(2Δu/ε2),
 ε1 = f·ε, ε2 = (1−f)·ε; charged c segments whatever happens (``SparseVectorSpend``).
 
-``brute`` (the reference) perturbs all R rows: O(R). ``fast`` has the same output law in O(U log U + c·U) ops and
+``brute`` (the reference) perturbs all R rows: O(R). ``sparse`` has the same output law in O(U log U + c·U) ops and
 O(U + c) memory, whatever R (U = rows touched):
 1. a uniformly random visiting order puts the U touched rows at a uniformly random ordered set of U distinct
    positions of [0, R) (``sample_distinct``); the untouched rows fill the other positions;
@@ -65,7 +65,7 @@ def svt_brute(touched: Tensor, scores: Tensor, thresholds: Tensor, *, num_rows: 
     return order[torch.tensor(picks, dtype=torch.long, device=dev)]
 
 
-def svt_fast(touched: Tensor, scores: Tensor, thresholds: Tensor, *, num_rows: int, query_scale: float,
+def svt_sparse(touched: Tensor, scores: Tensor, thresholds: Tensor, *, num_rows: int, query_scale: float,
              generator: torch.Generator) -> Tensor:
     """Same law as ``svt_brute`` without visiting the untouched rows one by one (module docstring)."""
     dev, u, c = touched.device, touched.numel(), thresholds.numel()
@@ -112,7 +112,7 @@ def svt_fast(touched: Tensor, scores: Tensor, thresholds: Tensor, *, num_rows: i
 @dataclass(frozen=True)
 class SparseVectorSelector:
     """AboveThreshold with cutoff c over all rows in a fresh random order (module docstring); returns the (at most
-    c) rows found above, in visiting order. ``fast``: O(U + c) memory, independent of R; ``brute``: O(R)."""
+    c) rows found above, in visiting order. ``sparse``: O(U + c) memory, independent of R; ``brute``: O(R)."""
 
     epsilon: float
     threshold: float
@@ -121,31 +121,25 @@ class SparseVectorSelector:
     score_clip: float
     release_values: bool = False
     epsilon_release: float = 0.0
-    method: str = "fast"
+    method: str = "sparse"
     score_kind: ScoreKind = "norm"
 
-    def select(
-        self,
-        touched: Tensor,
-        scores: Tensor,
-        *,
-        num_rows: int,
-        score_sensitivity: float,
-        ctx: SelectionContext,
-        generator: torch.Generator,
-    ) -> tuple[Tensor, Spend]:
+    def __post_init__(self) -> None:
+        if self.method not in ("sparse", "brute"):
+            raise ValueError(f"method: expected sparse or brute, got {self.method!r}")
+
+    def spend(self) -> Spend:
+        return SparseVectorSpend(epsilon=self.epsilon, cutoff=self.cutoff,
+                                 epsilon_release=self.epsilon_release if self.release_values else 0.0)
+
+    def select(self, touched: Tensor, scores: Tensor, *, selectable_rows: int, score_sensitivity: float,
+               ctx: SelectionContext, generator: torch.Generator) -> Tensor:
         eps1 = self.threshold_fraction * self.epsilon
         eps2 = self.epsilon - eps1
         thresholds = laplace(
             (self.cutoff,), scale=score_sensitivity / eps1, generator=generator, device=touched.device,
             dtype=scores.dtype,
         ).add_(self.threshold)
-        run = svt_brute if self.method == "brute" else svt_fast
-        sel = run(touched, scores, thresholds, num_rows=num_rows, query_scale=2 * score_sensitivity / eps2,
-                  generator=generator)
-        spend = SparseVectorSpend(
-            epsilon=self.epsilon,
-            cutoff=self.cutoff,
-            epsilon_release=self.epsilon_release if self.release_values else 0.0,
-        )
-        return sel, spend
+        run = svt_brute if self.method == "brute" else svt_sparse
+        return run(touched, scores, thresholds, num_rows=selectable_rows, query_scale=2 * score_sensitivity / eps2,
+                   generator=generator)
