@@ -30,9 +30,9 @@ from widedp.run.checkpoint import read_json, write_json
 
 JOURNAL = "spent.json"
 
-#: Set once ``widedp.run.train`` runs ``dp.preselect`` (``widedp.dp.selection.preselect``) and charges it before
-#: the first step
-#: (``preselect_runs``, e.g. as a ``run_budget.RunBudget`` prefix); until then a config with ``dp.preselect`` is
+#: Set once training runs ``dp.preselect`` (``widedp.dp.selection.preselect``) and charges it before the first step
+#: (``preselect_runs`` as a ``run_budget.RunBudget`` prefix, in ``widedp.run.engines.sparse.SparseDPEngine.setup``,
+#: the one place a run's plan is made); until then a config with ``dp.preselect`` is
 #: refused (by ``calibrated``, on every training and ``widedp epsilon`` path) rather than trained without it.
 PRESELECT_WIRED = False
 
