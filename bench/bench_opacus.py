@@ -160,8 +160,8 @@ def _opacus_child(case: str, data: Any, V: int, D: int, b: int, steps: int) -> d
     from torch.utils.data import DataLoader
 
     from widedp.models.cbow_opacus import OpacusCBOW, PerSampleLoss
-    from widedp.run.opacus_baseline import SplitDataset, _as_is
-    from widedp.run.train import SplitTensors
+    from widedp.run.engines.opacus_baseline import as_is as _as_is
+    from widedp.tasks.cbow import SplitDataset, SplitTensors
 
     ds = SplitDataset(SplitTensors.of(data.train, torch.device("cpu")))
     model = OpacusCBOW(V, D, tied=True)

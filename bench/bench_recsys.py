@@ -5,7 +5,7 @@
     .venv/bin/python bench/bench_recsys.py --gpu --device cpu --rows 1e4 --batch 256   # the GPU mode's code on CPU
 
 CPU part: synthetic power-law data (10K users, 50K items, 2-tag bags, 1 context feature; D=16, MLP 32-16) on 1
-torch thread. Methods, each the whole inner loop of ``widedp.run.train`` (batch gather + KJT, model, step, optimizer):
+torch thread. Methods, each the whole inner loop of ``widedp.run.loop`` (batch gather + KJT, model, step, optimizer):
 non-private dense Adam (autograd), non-private sparse SGD (sparse EBC gradients), DP-sparse (closed-form per-sample
 rows, ``dp_step`` with k exponential picks + the always-updated MLP rows, lazy Adam), DP-SGD (``selection: all``,
 lazy Adam). Rate = median over repeats of samples / s; ratios are to non-private dense Adam of the same run.

@@ -68,7 +68,7 @@ def paper_preset(steps: int) -> dict:
     from widedp.dp.selection import SelectionContext, make_selector
     from widedp.dp.step import dp_step
     from widedp.models.cbow import CBOW
-    from widedp.run.train import SplitTensors
+    from widedp.tasks.cbow import SplitTensors
 
     cfg = config_from_dict({"data": {"preset": "paper"}})
     data = prepare_cbow(cfg.data)

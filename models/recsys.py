@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
-from widedp.dp.rowgrads import PerSampleRows, coalesce
+from widedp.dp.rowgrads import PerSampleRows, PerSampleRowsWithDense, coalesce
 
 Layers = list[tuple[Tensor, Tensor]]
 
@@ -50,14 +50,6 @@ class _FxTracingNotice(logging.Filter):
 
 
 logging.getLogger("torch.fx._symbolic_trace").addFilter(_FxTracingNotice())
-
-
-@dataclass(frozen=True)
-class PerSampleRowsWithDense(PerSampleRows):
-    """``PerSampleRows`` whose last ``always_rows`` rows (of ``num_rows``) are dense parameters: ``dp_step``
-    selects them every step (see ``widedp.dp.step``)."""
-
-    always_rows: int = 0
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def test_round_trip_and_hash():
         # wrong section types used to be tracebacks (TypeError / ValueError) or silently the defaults
         ({"data": [1, 2]}, "data: expected a mapping, got list [1, 2]"),
         ({"data": "brown"}, "data: expected a mapping, got str 'brown'"),
-        ({"task": ["cbow"]}, "task: expected one of cbow, recsys, glm, got ['cbow']"),
+        ({"task": ["cbow"]}, "task: expected one of cbow, recsys, glm, module, got ['cbow']"),
         ({"task": None}, "task: expected one of"),
         ({"dp": {"selection": {"name": ["exponential"]}}}, "dp.selection.name: expected one of"),
         ({"dp": {"selection": "all"}}, "dp.selection: expected a mapping, got str 'all'"),

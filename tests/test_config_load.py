@@ -28,7 +28,7 @@ def _error(tmp_path: Path, content: str | bytes, overrides: tuple[str, ...] = ()
     [
         ("data: [1, 2]\n", "data: expected a mapping, got list [1, 2]"),
         ("data: brown\n", "data: expected a mapping, got str 'brown'"),
-        ("task: [cbow]\n", "task: expected one of cbow, recsys, glm, got ['cbow']"),
+        ("task: [cbow]\n", "task: expected one of cbow, recsys, glm, module, got ['cbow']"),
         ("dp:\n  selection:\n    name: [exponential]\n", "dp.selection.name: expected one of"),
         ("train: 5\n", "train: expected a mapping, got int 5"),
         ("train: 0\n", "train: expected a mapping, got int 0"),  # falsy is not "use the defaults"

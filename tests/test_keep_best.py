@@ -29,8 +29,9 @@ train: {{epochs: 12, batch_size: 10, optimizer: adam, lr: 0.3, keep_best: true, 
     assert summary["kept_epoch"] == best["epoch"]
     assert summary["valid_loss"] == best["valid_loss"] and summary["test_loss"] == best["test_loss"]
     # the saved weights are that epoch's: their validation loss is the best one, not the last one
-    from widedp.run.train import SplitTensors, evaluate, load_run_config
-    from widedp.tasks.cbow import build_cbow
+    from widedp.run.loop import evaluate
+    from widedp.run.train import load_run_config
+    from widedp.tasks.cbow import SplitTensors, build_cbow
 
     cfg_obj = load_run_config(out)
     (tmp_path / "scratch").mkdir()

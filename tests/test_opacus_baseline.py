@@ -24,8 +24,9 @@ from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
 from widedp.models.cbow import CBOW, CBOWBatch
 from widedp.models.cbow_opacus import OpacusCBOW
-from widedp.run.opacus_baseline import SplitDataset, _as_is
-from widedp.run.train import SplitTensors, train
+from widedp.run.engines.opacus_baseline import as_is
+from widedp.run.train import train
+from widedp.tasks.cbow import SplitDataset, SplitTensors
 
 torch.set_num_threads(1)
 V, D = 40, 16
@@ -76,7 +77,7 @@ def _opacus_update(model, b, *, sigma, clip1, batch_size, seed):
     ds = SplitDataset(SplitTensors(b.target, b.context, b.negatives))
     gsm, opt, _ = PrivacyEngine().make_private(
         module=o, optimizer=torch.optim.SGD(o.parameters(), lr=1.0), data_loader=DataLoader(ds, batch_size=4,
-                                                                                            collate_fn=_as_is),
+                                                                                            collate_fn=as_is),
         noise_multiplier=sigma, max_grad_norm=clip1, noise_generator=torch.Generator().manual_seed(seed))
     opt.expected_batch_size = batch_size
     loss = gsm(b.target, b.context, b.negatives)
@@ -212,7 +213,7 @@ def test_config_errors(tmp_path):
 
 def test_nonfinite_sample_contributes_zero_in_the_opacus_engine():
     """As in widedp's step: a sample whose per-sample gradient is NaN/inf is zeroed before Opacus clips and noises."""
-    from widedp.run.opacus_baseline import zero_nonfinite_samples
+    from widedp.run.engines.opacus_baseline import zero_nonfinite_samples
 
     model = CBOW(V, D, tied=False, sparse=False, init_scale=8.0, generator=torch.Generator().manual_seed(3))
     b = _batch(B=6)

@@ -24,7 +24,7 @@ from widedp.dp.spend import ExponentialSpend
 from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysBatch, RecsysModel, make_kjt
-from widedp.run import budget
+from widedp.run.epsilon import epsilon_report
 from widedp.run.train import train
 from widedp.tasks.recsys import build_model
 
@@ -199,7 +199,7 @@ def test_dp_training_learns_and_spends(tmp_path):
     model = build_model(json.loads((tmp_path / "run" / "features.json").read_text())["cardinality"], cfg.model,
                         seed=0)
     assert set(sel) == {40 + model.num_dense_rows}
-    rep = budget.epsilon_report(cfg)
+    rep = epsilon_report(cfg)
     assert rep["n_train"] == 4200 and rep["epsilon"] == pytest.approx(s["dp"]["epsilon"], rel=1e-6)
 
 
@@ -282,7 +282,7 @@ def test_always_rows_selected_free_and_noised():
     sel_all = make_selector(ExponentialSelectionConfig(k=5, epsilon=1.0, score_clip=0.2), num_rows=R)
     hits = sum(int((step(g, sel_all, s, always_rows=0).selected >= R - A).sum()) for s in range(50))
     assert 0 < hits < 50 * 2
-    # PerSampleRowsWithDense carries A to the step (what widedp.run.train relies on)
+    # PerSampleRowsWithDense carries A to the step (what widedp.run.engines.sparse relies on)
     from widedp.models.recsys import PerSampleRowsWithDense
 
     gd = PerSampleRowsWithDense(g.values, g.rows, g.offsets, g.num_rows, always_rows=A)

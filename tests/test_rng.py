@@ -6,13 +6,14 @@ import stat
 
 import pytest
 import torch
+from snapshots import train_with_snapshot
 
-import widedp.run.train as train_mod
 from widedp import accounting
 from widedp.cli import main
 from widedp.config import load_config
 from widedp.dp import rng
 from widedp.errors import ConfigError
+from widedp.run.train import train
 
 TEXT = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(300))
 SHAREABLE_IF_ANYTHING = ("config.yaml", "checkpoint.pt", "metrics.jsonl", "summary.json", "spent.json", "vocab.json",
@@ -104,23 +105,14 @@ def _run_with_snapshot(tmp_path, monkeypatch):
     d.mkdir()
     cfg = load_config(_config(d, steps=200, ckpt_every=60))
     run, snap = d / "run", d / "snap"
-    orig = train_mod.save_checkpoint
-
-    def snapshot(out, state):
-        orig(out, state)
-        if state["step"] == 60 and not snap.exists():
-            shutil.copytree(out, snap)
-
-    monkeypatch.setattr(train_mod, "save_checkpoint", snapshot)
-    full = train_mod.train(cfg, run, progress=False)
-    monkeypatch.setattr(train_mod, "save_checkpoint", orig)
+    full = train_with_snapshot(cfg, run, snap, step=60, monkeypatch=monkeypatch)
     return cfg, run, snap, full
 
 
 def test_secure_run_resumes_exactly_from_private_state(tmp_path, monkeypatch):
     """A snapshot of the run directory at its first checkpoint, resumed, ends with the uninterrupted weights."""
     cfg, run, snap, full = _run_with_snapshot(tmp_path, monkeypatch)
-    resumed = train_mod.train(cfg, snap, resume=True, progress=False)
+    resumed = train(cfg, snap, resume=True, progress=False)
     a, b = _weights(run), _weights(snap)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert full["dp"]["ledger"] == resumed["dp"]["ledger"] and resumed["steps"] == 200
@@ -131,7 +123,7 @@ def test_resume_without_private_keeps_journaled_spend(tmp_path, monkeypatch):
     journal = accounting.Ledger.from_json(json.loads((snap / "spent.json").read_text()))
     assert journal.steps == 75  # reserved ahead of the interval [50, 75) in which the checkpoint at 60 fell
     shutil.rmtree(snap / rng.PRIVATE_DIR)  # e.g. the directory was copied without its private part
-    resumed = train_mod.train(cfg, snap, resume=True, progress=False)
+    resumed = train(cfg, snap, resume=True, progress=False)
     # fresh randomness cannot replay steps 60..75: they stay spent, on top of the 140 steps run after 60
     assert accounting.Ledger.from_json(resumed["dp"]["ledger"]).steps == 75 + 140
 

@@ -213,7 +213,8 @@ def test_dp_training_trains_on_poisson_batches(tmp_path, monkeypatch):
     """widedp.run.train.train on a tiny CBOW: the batches per_sample_row_grads actually sees are Poisson(b/n)."""
     from widedp.config import load_config
     from widedp.models.cbow import CBOW
-    from widedp.run import train as train_mod
+    from widedp.run.train import train
+    from widedp.tasks.cbow import SplitTensors
 
     n, b, epochs = 1000, 50, 40  # q = 0.05, 20 steps per epoch, T = 800
     corpus = tmp_path / "corpus.txt"
@@ -229,7 +230,7 @@ dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0, rng: reproducible, selectio
     cfg = load_config(cfg_path)
     seen: list[np.ndarray] = []
     last: dict[str, torch.Tensor] = {}
-    split_batch, row_grads = train_mod.SplitTensors.batch, CBOW.per_sample_row_grads
+    split_batch, row_grads = SplitTensors.batch, CBOW.per_sample_row_grads
 
     def batch(self, idx):
         last["idx"] = idx
@@ -240,8 +241,8 @@ dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0, rng: reproducible, selectio
         seen.append(last["idx"].cpu().numpy().copy())
         return row_grads(self, bt)
 
-    monkeypatch.setattr(train_mod.SplitTensors, "batch", batch)
+    monkeypatch.setattr(SplitTensors, "batch", batch)
     monkeypatch.setattr(CBOW, "per_sample_row_grads", per_sample_row_grads)
-    summary = train_mod.train(cfg, tmp_path / "run", progress=False)
+    summary = train(cfg, tmp_path / "run", progress=False)
     assert summary["n_train"] == n and summary["steps"] == len(seen) == epochs * n // b
     assert poisson_violations(seen, n, b / n) == []

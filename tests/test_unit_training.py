@@ -2,18 +2,19 @@
 epsilon`, resume, canaries as their own units, a public word list, and the recommender's user unit."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
+from snapshots import train_with_snapshot
 
-import widedp.run.train as train_mod
+import widedp.run.engines.sparse as sparse_mod
 from widedp import accounting
 from widedp.cli import main
 from widedp.config import load_config
 from widedp.dp import vocab as vocab_dp
 from widedp.errors import ConfigError
+from widedp.run.train import train
 
 rng = np.random.default_rng(0)
 WORDS = [f"w{i}" for i in range(30)]
@@ -47,15 +48,15 @@ dp:
 def test_sentence_units_with_dp_vocabulary_end_to_end(tmp_path, monkeypatch, capsys):
     cfg = load_config(_config(tmp_path))
     seen = []
-    orig_step = train_mod.dp_step
+    orig_step = sparse_mod.dp_step
 
     def step(g, **kw):
         seen.append((g.batch_size, kw["batch_size"], kw["sampling_rate"]))
         return orig_step(g, **kw)
 
-    monkeypatch.setattr(train_mod, "dp_step", step)
+    monkeypatch.setattr(sparse_mod, "dp_step", step)
     run = tmp_path / "run"
-    summary = train_mod.train(cfg, run, progress=False)
+    summary = train(cfg, run, progress=False)
     units = summary["units"]
     n_units = units["n_units"]
     assert units["privacy_unit"] == "sentence" and units["max_samples_per_unit"] == 4
@@ -88,18 +89,9 @@ def test_sentence_units_with_dp_vocabulary_end_to_end(tmp_path, monkeypatch, cap
 def test_resume_reuses_the_vocabulary_and_counts_it_once(tmp_path, monkeypatch):
     cfg = load_config(_config(tmp_path, steps_epochs=3))
     run, snap = tmp_path / "run", tmp_path / "snap"
-    orig = train_mod.save_checkpoint
-
-    def snapshot(out, state):
-        orig(out, state)
-        if state["step"] == 20 and not snap.exists():
-            shutil.copytree(out, snap)
-
-    monkeypatch.setattr(train_mod, "save_checkpoint", snapshot)
-    full = train_mod.train(cfg, run, progress=False)
-    monkeypatch.setattr(train_mod, "save_checkpoint", orig)
+    full = train_with_snapshot(cfg, run, snap, step=20, monkeypatch=monkeypatch)
     before = (snap / vocab_dp.RELEASE_FILE).read_bytes()
-    resumed = train_mod.train(cfg, snap, resume=True, progress=False)
+    resumed = train(cfg, snap, resume=True, progress=False)
     assert (snap / vocab_dp.RELEASE_FILE).read_bytes() == before  # loaded, not drawn again
     assert resumed["dp"]["ledger"] == full["dp"]["ledger"]  # the vocabulary once, the same steps
     a = torch.load(run / "checkpoint.pt", weights_only=True)["model"]
@@ -109,7 +101,7 @@ def test_resume_reuses_the_vocabulary_and_counts_it_once(tmp_path, monkeypatch):
 
 def test_private_top_warns_and_says_so_pair_is_unchanged(tmp_path, capsys):
     cfg = load_config(_config(tmp_path, unit="pair", vocabulary="private_top"))
-    summary = train_mod.train(cfg, tmp_path / "run", progress=False)
+    summary = train(cfg, tmp_path / "run", progress=False)
     assert "warning: data.vocabulary: private_top" in capsys.readouterr().err
     assert "units" not in summary and summary["privacy"]["unit"] == "(target, context) pair"
     assert "vocabulary not private" in summary["privacy"]["text"]
@@ -118,7 +110,7 @@ def test_private_top_warns_and_says_so_pair_is_unchanged(tmp_path, capsys):
 def test_public_word_list(tmp_path):
     (tmp_path / "words.txt").write_text("".join(f"w{i}\n" for i in range(15)) + "\n")
     cfg = load_config(_config(tmp_path, vocabulary=f"file:{tmp_path / 'words.txt'}"))
-    summary = train_mod.train(cfg, tmp_path / "run", progress=False)
+    summary = train(cfg, tmp_path / "run", progress=False)
     assert json.loads((tmp_path / "run" / "vocab.json").read_text()) == [f"w{i}" for i in range(15)]
     assert "public word list" in summary["privacy"]["text"] and "not covered" not in summary["privacy"]["text"]
     assert len(accounting.Ledger.from_json(summary["dp"]["ledger"]).runs) == 1  # nothing before the steps
@@ -130,7 +122,7 @@ def test_config_errors(tmp_path, capsys):
     with pytest.raises(ConfigError, match="file not found"):
         load_config(_config(tmp_path, vocabulary="file:/no/such/list.txt"))
     with pytest.raises(ConfigError, match="must be below dp.delta"):
-        train_mod.train(load_config(_config(tmp_path, extra_dp="delta: 1.0e-7")), tmp_path / "r1", progress=False)
+        train(load_config(_config(tmp_path, extra_dp="delta: 1.0e-7")), tmp_path / "r1", progress=False)
     with pytest.raises(ConfigError, match=r"^data\.vocab_dp\.sigma: unknown key"):
         load_config(_config(tmp_path), ["data.vocab_dp.sigma=3"])
     with pytest.raises(ConfigError, match=r"^data\.privacy_unit: expected one of pair, sentence, document"):
@@ -170,7 +162,7 @@ def test_canaries_are_their_own_units(tmp_path):
     ledger = accounting.Ledger.from_json(summary["dp"]["ledger"])
     assert ledger.runs[0][1] == 1 and ledger.runs[0][0].sampling_rate == 1.0
     # the clean units are those of a run without canaries (same reproducible vocabulary); each insertion adds one
-    clean = train_mod.train(cfg, tmp_path / "clean", progress=False)
+    clean = train(cfg, tmp_path / "clean", progress=False)
     assert clean["units"]["vocabulary"] == summary["units"]["vocabulary"]
     assert summary["units"]["n_units"] == clean["units"]["n_units"] + 10
 
@@ -187,7 +179,7 @@ dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0, rng: reproducible,
      selection: {{name: exponential, k: 20, epsilon: 0.1, score_clip: 0.05}}}}
 """)
     c = load_config(cfg)
-    summary = train_mod.train(c, tmp_path / "run", progress=False)
+    summary = train(c, tmp_path / "run", progress=False)
     from widedp.data_prep.interactions import prepare_interactions
 
     users = prepare_interactions(c.data).train.features["user"][:, 0]

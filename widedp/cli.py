@@ -116,6 +116,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "train":
         from widedp.config import load_config
         from widedp.run.train import default_out, train
+        from widedp.tasks import get_task
 
         if args.resume:
             if args.config is not None or args.overrides or args.overwrite:
@@ -129,12 +130,7 @@ def _run(args: argparse.Namespace) -> int:
             run_dir = Path(args.out) if args.out else default_out(args.config)
         progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
         summary = train(cfg, run_dir, resume=bool(args.resume), progress=progress, overwrite=args.overwrite)
-        if cfg.task == "recsys":
-            from widedp.tasks.recsys import add_eval_metrics
-
-            summary.update(add_eval_metrics(cfg, run_dir))
-        keys = ("train_loss", "valid_loss", "test_loss", "steps", "samples_per_s") + (
-            ("valid_auc", "test_auc", "valid_ne", "test_ne") if cfg.task == "recsys" else ())
+        keys = ("train_loss", "valid_loss", "test_loss", "steps", "samples_per_s") + get_task(cfg.task).summary_keys
         print(json.dumps({k: summary.get(k) for k in keys} | {"run_dir": str(run_dir)}
                          | ({"epsilon": summary["dp"]["epsilon"]} if summary.get("dp") else {})
                          | {"privacy": summary["privacy"]["text"]}, ensure_ascii=False))
@@ -142,16 +138,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "epsilon":
         from widedp.config import load_config
-        from widedp.run.budget import epsilon_report
+        from widedp.run.epsilon import epsilon_report
 
-        cfg = load_config(args.config, args.overrides)
-        rep = epsilon_report(cfg)
-        if cfg.task != "glm":
-            from widedp.accounting.statement import for_run
-
-            st = for_run(cfg, epsilon=rep["epsilon"], delta=cfg.dp.delta, accountant=cfg.dp.accountant,
-                         private_rng=cfg.dp.rng == "secure")
-            rep = {"privacy": st.text} | rep
+        rep = epsilon_report(load_config(args.config, args.overrides))
         print(json.dumps(rep, indent=2, ensure_ascii=False))
         return 0
     if args.cmd == "export":

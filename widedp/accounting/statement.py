@@ -66,51 +66,24 @@ class PrivacyStatement:
         return d
 
 
-VOCAB_NOT_COVERED = ("vocabulary not private: the vocabulary (the top-V words of the training corpus by count, ties "
-                     "at the cut included) and the negative-sampling distribution (their counts)")
-IDS_NOT_COVERED = "the embedding-table sizes and id -> row numbering (computed from the data's distinct ids)"
+@dataclass(frozen=True)
+class UnitFacts:
+    """What a run's epsilon protects (``unit``), what it does not cover, what it includes besides the steps: a
+    task's facts (``widedp.tasks.Task.privacy``)."""
+
+    unit: str
+    not_covered: tuple[str, ...] = ()
+    includes: tuple[str, ...] = ()
 
 
-def unit_and_gaps(cfg: Any) -> tuple[str, tuple[str, ...]]:
-    """The privacy unit of a ``cbow`` / ``recsys`` config and what its ε does not cover."""
-    from widedp.dp import units
-
-    if cfg.task == "cbow":
-        if units.is_per_sample(cfg):
-            shape = getattr(cfg.data, "sample_shape", "pair")
-            unit = "(target, context) pair" if shape == "pair" else "(target, context window) sample"
-        else:
-            unit = units.unit_name(cfg)
-        vocabulary = getattr(cfg.data, "vocabulary", "private_top")
-        return unit, ((VOCAB_NOT_COVERED,) if vocabulary == "private_top" else ())
-    if cfg.task == "recsys":
-        source = getattr(cfg.data, "source", "synthetic")
-        unit = "interaction (one user-item example)" if units.is_per_sample(cfg) else units.unit_name(cfg)
-        return unit, (() if source == "synthetic" else (IDS_NOT_COVERED,))
-    return "training example", ()
-
-
-def includes(cfg: Any) -> tuple[str, ...]:
-    """What ε covers besides the training steps: the DP vocabulary, or a public word list (nothing to cover)."""
-    vocabulary = getattr(cfg.data, "vocabulary", "private_top") if cfg.task == "cbow" else "private_top"
-    if vocabulary == "dp" and cfg.dp is not None:
-        v = cfg.data.vocab_dp
-        return (f"the DP vocabulary and its noisy counts (the negative-sampling distribution): Gaussian partition "
-                f"selection, σ={v.noise_multiplier:g}, ≤ {v.max_words_per_unit} words per {cfg.data.privacy_unit}, "
-                f"threshold δ_τ={v.delta:g} of δ",)
-    if vocabulary.startswith("file:"):
-        return ("the vocabulary: a public word list (data.vocabulary: file:PATH), nothing private spent on it",)
-    return ()
-
-
-def for_run(cfg: Any, *, epsilon: float | None, delta: float | None, accountant: str, private_rng: bool,
+def for_run(facts: UnitFacts, *, epsilon: float | None, delta: float | None, accountant: str, private_rng: bool,
             extra: dict[str, Any] | None = None) -> PrivacyStatement:
-    """The statement of a ``cbow`` / ``recsys`` run (or config): epsilon None = trained without DP."""
+    """The statement of a run (or config) of a task the loop trains (``facts``: its unit and gaps): epsilon None =
+    trained without DP."""
     from widedp.dp.rng import NOT_PRIVATE
 
-    unit, gaps = unit_and_gaps(cfg)
     if epsilon is None:
-        return PrivacyStatement(None, None, unit, private=False, reason="trained without differential privacy")
-    return PrivacyStatement(epsilon, delta, unit, accountant=accountant.upper(), not_covered=gaps,
+        return PrivacyStatement(None, None, facts.unit, private=False, reason="trained without differential privacy")
+    return PrivacyStatement(epsilon, delta, facts.unit, accountant=accountant.upper(), not_covered=facts.not_covered,
                             private=private_rng, reason="" if private_rng else NOT_PRIVATE, extra=extra or {},
-                            includes=includes(cfg))
+                            includes=facts.includes)

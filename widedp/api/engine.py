@@ -41,7 +41,7 @@ from widedp import accounting
 from widedp.accounting.statement import PrivacyStatement
 from widedp.api.capture import Capture
 from widedp.api.loader import PoissonLoader
-from widedp.api.per_sample import Layout, batch_size_of, per_sample_rows, with_always_rows
+from widedp.api.per_sample import Layout, batch_size_of, collect, empty_rows, losses_and_rows
 from widedp.api.update import Updater
 from widedp.config import SELECTIONS, DPConfig, SelectionConfig
 from widedp.dp import rng
@@ -235,17 +235,7 @@ class PrivacyEngine:
     def per_sample_grads(self, batch: Any, loss_fn: Any) -> tuple[Tensor, PerSampleRows]:
         """([B] losses, each sample's gradient over ``self.layout``'s rows) from one forward and one backward of
         ``loss_fn(batch)`` ([B] per-sample losses), without stepping."""
-        cap = self._ready()
-        cap.clear()
-        self._updater.clear_grads()
-        loss = loss_fn(batch)
-        if not isinstance(loss, Tensor) or loss.dim() != 1:
-            raise ValueError(f"loss_fn must return the [B] per-sample losses (reduction='none'), got "
-                             f"{getattr(loss, 'shape', type(loss))}")
-        loss.sum().backward()
-        g = self._collect(loss.shape[0], scale=1.0)
-        self._updater.clear_grads()  # the non-private summed gradient backward left on dense parameters
-        return loss.detach(), g
+        return losses_and_rows(self._ready(), self.layout, loss_fn, batch)
 
     def step(self, batch: Any, loss_fn: Any) -> Tensor:
         """One DP step on ``batch`` (from the loader): loss_fn(batch) -> [B] per-sample losses. Returns them."""
@@ -259,17 +249,12 @@ class PrivacyEngine:
         cap = self._ready()
         self._check_budget()
         b = batch_size_of(cap.records)
-        self._dp_update(self._collect(b, scale=float(b) if self._mean else 1.0))
+        self._dp_update(collect(cap, self.layout, batch=b, scale=float(b) if self._mean else 1.0))
 
     def empty_step(self) -> None:
         """The step of an empty Poisson batch: no data, the same selection and noise, the same spend."""
         self._check_budget()
-        lay = self.layout
-        empty = PerSampleRows(values=torch.zeros(0, lay.dim, dtype=lay.dtype, device=self._device),
-                              rows=torch.zeros(0, dtype=torch.long, device=self._device),
-                              offsets=torch.zeros(1, dtype=torch.long, device=self._device), num_rows=lay.table_rows)
-        dense = torch.zeros(0, lay.always_rows, lay.dim, dtype=lay.dtype, device=self._device)
-        self._dp_update(with_always_rows(empty, dense, num_rows=lay.num_rows))
+        self._dp_update(empty_rows(self.layout, self._device))
 
     def _ready(self) -> Capture:
         if self._capture is None:
@@ -281,16 +266,6 @@ class PrivacyEngine:
             self.stopped_by_budget = True
             raise BudgetExhausted(f"step {self.steps}: the next step would exceed target_epsilon="
                                   f"{self._dp.target_epsilon} (spent: ε={self.epsilon():.4g})")
-
-    def _collect(self, batch: int, *, scale: float) -> PerSampleRows:
-        cap = self._ready()
-        cap.check_tables_untouched()
-        cap.enabled = False  # torch.func re-runs layers: record nothing meanwhile
-        try:
-            return per_sample_rows(cap.records, self.layout, batch=batch, scale=scale)
-        finally:
-            cap.enabled = True
-            cap.clear()
 
     def _dp_update(self, g: PerSampleRows) -> None:
         dp = self._dp

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from widedp.api.capture import Record, Table, UnsupportedModelError
-from widedp.dp.rowgrads import PerSampleRows, coalesce
+from widedp.api.capture import Capture, Record, Table, UnsupportedModelError
+from widedp.dp.rowgrads import PerSampleRows, PerSampleRowsWithDense, coalesce
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,49 @@ class Layout:
     @property
     def num_rows(self) -> int:
         return self.table_rows + self.always_rows
+
+
+def clear_grads(layout: Layout) -> None:
+    """Drop every gradient a backward left on the layout's parameters (they never reach an update)."""
+    for _, p in layout.dense:
+        p.grad = None
+    for t in layout.tables:
+        t.weight.grad = None
+
+
+def collect(capture: Capture, layout: Layout, *, batch: int, scale: float = 1.0) -> PerSampleRows:
+    """``per_sample_rows`` of what ``capture`` recorded since its last ``clear()`` (then cleared)."""
+    capture.check_tables_untouched()
+    capture.enabled = False  # torch.func re-runs layers: record nothing meanwhile
+    try:
+        return per_sample_rows(capture.records, layout, batch=batch, scale=scale)
+    finally:
+        capture.enabled = True
+        capture.clear()
+
+
+def losses_and_rows(capture: Capture, layout: Layout, loss_fn: Any, batch: Any) -> tuple[Tensor, PerSampleRows]:
+    """([B] losses, each sample's gradient over ``layout``'s rows) from one forward and one backward of
+    ``loss_fn(batch)`` ([B] per-sample losses), without stepping; no gradient is left on the model."""
+    capture.clear()
+    clear_grads(layout)
+    loss = loss_fn(batch)
+    if not isinstance(loss, Tensor) or loss.dim() != 1:
+        raise ValueError(f"loss_fn must return the [B] per-sample losses (reduction='none'), got "
+                         f"{getattr(loss, 'shape', type(loss))}")
+    loss.sum().backward()
+    g = collect(capture, layout, batch=loss.shape[0])
+    clear_grads(layout)  # the non-private summed gradient backward left on dense parameters
+    return loss.detach(), g
+
+
+def empty_rows(layout: Layout, device: torch.device) -> PerSampleRows:
+    """The per-sample rows of an empty batch (B = 0), for the step of an empty Poisson batch."""
+    empty = PerSampleRows(values=torch.zeros(0, layout.dim, dtype=layout.dtype, device=device),
+                          rows=torch.zeros(0, dtype=torch.long, device=device),
+                          offsets=torch.zeros(1, dtype=torch.long, device=device), num_rows=layout.table_rows)
+    dense = torch.zeros(0, layout.always_rows, layout.dim, dtype=layout.dtype, device=device)
+    return with_always_rows(empty, dense, num_rows=layout.num_rows)
 
 
 def batch_size_of(records: list[Record]) -> int:
@@ -182,8 +226,9 @@ def _functional(r: Record, batch: int) -> dict[int, Tensor]:
     return {id(getattr(m, n)): g for n, g in grads.items()}
 
 
-def with_always_rows(tab: PerSampleRows, dense: Tensor, *, num_rows: int) -> PerSampleRows:
-    """Each sample's table rows, then its A dense rows [R_tab, R_tab + A) with values ``dense`` [B, A, D]."""
+def with_always_rows(tab: PerSampleRows, dense: Tensor, *, num_rows: int) -> PerSampleRowsWithDense:
+    """Each sample's table rows, then its A dense rows [R_tab, R_tab + A) with values ``dense`` [B, A, D]
+    (``always_rows`` = A: ``dp_step`` selects them every step)."""
     b, a, d = dense.shape
     counts = tab.lengths() + a
     offsets = torch.zeros(b + 1, dtype=torch.long, device=dense.device)
@@ -196,4 +241,4 @@ def with_always_rows(tab: PerSampleRows, dense: Tensor, *, num_rows: int) -> Per
     rows = tab.rows.new_empty(is_dense.numel())
     dense_ids = torch.arange(tab.num_rows, tab.num_rows + a, device=dense.device).repeat(b)
     rows.index_copy_(0, table_slots, tab.rows).index_copy_(0, slots, dense_ids)
-    return PerSampleRows(values=values, rows=rows, offsets=offsets, num_rows=num_rows)
+    return PerSampleRowsWithDense(values=values, rows=rows, offsets=offsets, num_rows=num_rows, always_rows=a)

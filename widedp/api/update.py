@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from widedp.api.per_sample import Layout
+from widedp.api.per_sample import Layout, clear_grads
 from widedp.dp.optim import make_row_optimizer
 from widedp.dp.rowgrads import SparseRows
 from widedp.errors import ConfigError
@@ -118,10 +118,7 @@ class Updater:
         self.clear_grads()
 
     def clear_grads(self) -> None:
-        for _, p in self.layout.dense:
-            p.grad = None
-        for t in self.layout.tables:
-            t.weight.grad = None
+        clear_grads(self.layout)
 
     def state_dict(self) -> dict[str, Tensor]:
         return {f"{i}.{k}": v for i, opt in enumerate(self.rows) for k, v in opt.state_dict().items()}

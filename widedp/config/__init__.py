@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from widedp.config import glm, module, recsys  # the other tasks' sections (TASK_SECTIONS)
+
 # the data: section (DataConfig, VocabDPConfig, DATA_PRESETS) lives in widedp.config.data, re-exported here
 from widedp.config.data import DATA_PRESETS, PRIVACY_UNITS, DataConfig, VocabDPConfig  # noqa: F401
 from widedp.config.selection import (  # noqa: F401  (the dp.selection section lives there, re-exported here)
@@ -199,7 +201,7 @@ class DPConfig:
 @dataclass(frozen=True)
 class Config:
     """A whole config. ``task`` picks the data/model sections' types (and, for some tasks, an ``algorithm``
-    section): ``cbow`` (this module), or a task module named in ``TASK_MODULES``."""
+    section): ``TASK_SECTIONS``."""
 
     data: Any = field(default_factory=DataConfig)
     model: Any = field(default_factory=ModelConfig)
@@ -231,24 +233,19 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return config_from_dict(raw)
 
 
-#: Tasks other than CBOW: module path -> a module exposing DATA_CONFIG, MODEL_CONFIG (dataclasses), DATA_PRESETS
-#: (dict, may be empty; applied when data.preset names one) and optionally ALGORITHM_CONFIG (an ``algorithm:``
-#: section). Imported only when a config names the task.
-TASK_MODULES: dict[str, str] = {
-    "recsys": "widedp.config.recsys",
-    "glm": "widedp.config.glm",
+#: task -> its sections: (data dataclass, model dataclass, data presets (applied when data.preset names one; may be
+#: empty), the ``algorithm:`` dataclass or None). ``widedp.tasks.TASKS`` holds the tasks themselves.
+TASK_SECTIONS: dict[str, tuple[type, type, dict[str, dict[str, Any]], type | None]] = {
+    "cbow": (DataConfig, ModelConfig, DATA_PRESETS, None),
+    **{name: (m.DATA_CONFIG, m.MODEL_CONFIG, m.DATA_PRESETS, getattr(m, "ALGORITHM_CONFIG", None))
+       for name, m in (("recsys", recsys), ("glm", glm), ("module", module))},
 }
 
 
 def _task_types(task: Any) -> tuple[type, type, dict[str, dict[str, Any]], type | None]:
-    if task == "cbow":
-        return DataConfig, ModelConfig, DATA_PRESETS, None
-    if not isinstance(task, str) or task not in TASK_MODULES:
-        raise ConfigError(f"task: expected one of cbow, {', '.join(TASK_MODULES)}, got {show(task)}")
-    import importlib
-
-    mod = importlib.import_module(TASK_MODULES[task])
-    return mod.DATA_CONFIG, mod.MODEL_CONFIG, mod.DATA_PRESETS, getattr(mod, "ALGORITHM_CONFIG", None)
+    if not isinstance(task, str) or task not in TASK_SECTIONS:
+        raise ConfigError(f"task: expected one of {', '.join(TASK_SECTIONS)}, got {show(task)}")
+    return TASK_SECTIONS[task]
 
 
 def _dp_config(dp_raw: Any) -> DPConfig | None:

@@ -1,5 +1,5 @@
 """Config sections of the ``glm`` task (Brown category classification with a convex GLM): ``data:``, ``model:``,
-``algorithm:``. Read by ``widedp.config`` through ``TASK_MODULES["glm"]``.
+``algorithm:``. Read by ``widedp.config`` (``TASK_SECTIONS["glm"]``).
 
 A glm config::
 

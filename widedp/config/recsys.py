@@ -1,6 +1,6 @@
 """Config sections of the ``recsys`` task (``task: recsys``): interaction data and the torchrec recommender.
 
-Read by ``widedp.config.config_from_dict`` through ``TASK_MODULES["recsys"]``::
+Read by ``widedp.config.config_from_dict`` (``TASK_SECTIONS["recsys"]``)::
 
     data:  {preset, source, num_users, num_items, ..., label_threshold, splits, seed, cache_dir}  -> DATA_CONFIG
     model: {dim, hidden, pooling, interaction, sparse, init_scale}                               -> MODEL_CONFIG

@@ -1,9 +1,10 @@
 """Typed mappings to frozen dataclasses, the validators config dataclasses share, and strict YAML reading.
 
 ``build(section, cls, raw)`` checks every key of ``raw`` against ``cls``'s fields and coerces values by the type
-hints (Literal, unions with None, tuples, bool/int/float/str): a wrong key, type or value raises ``ConfigError``
-naming ``section.key`` in one line. ``read_config_file`` / ``apply_override`` read a YAML file (UTF-8, no repeated
-keys) and ``--set KEY=VALUE`` overrides into the raw mapping ``widedp.config.config_from_dict`` validates.
+hints (Literal, unions with None, tuples, bool/int/float/str, keyword-argument mappings): a wrong key, type or
+value raises ``ConfigError`` naming ``section.key`` in one line. ``read_config_file`` / ``apply_override`` read a
+YAML file (UTF-8, no repeated keys) and ``--set KEY=VALUE`` overrides into the raw mapping
+``widedp.config.config_from_dict`` validates.
 """
 
 from __future__ import annotations
@@ -117,6 +118,12 @@ def _coerce(key: str, v: Any, tp: Any) -> Any:
         if len(v) != len(args):
             raise ConfigError(f"{key}: expected {len(args)} values, got {len(v)}")
         return tuple(_coerce(key, x, a) for x, a in zip(v, args))
+    if tp is dict or origin is dict:  # keyword arguments (model.kwargs): names -> plain YAML values
+        expect_mapping(key, v)
+        for k in v:
+            if not (isinstance(k, str) and k.isidentifier()):
+                raise ConfigError(f"{key}: keys are keyword-argument names, got {show(k)}")
+        return dict(v)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a nested section, e.g. data.vocab_dp
         return build(key, tp, v)
     if tp is bool:

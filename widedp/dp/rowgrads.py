@@ -58,6 +58,14 @@ class PerSampleRows:
         return out
 
 
+@dataclass(frozen=True)
+class PerSampleRowsWithDense(PerSampleRows):
+    """``PerSampleRows`` whose last ``always_rows`` rows (of ``num_rows``) are dense parameters: ``dp_step``
+    selects them every step (see ``widedp.dp.step``)."""
+
+    always_rows: int = 0
+
+
 def coalesce(values: Tensor, rows: Tensor, sample: Tensor, batch_size: int, num_rows: int) -> PerSampleRows:
     """Sum duplicate (sample, row) pairs and return them grouped by sample.
 

@@ -29,9 +29,6 @@ from widedp.dp.rowgrads import PerSampleRows, coalesce
 from widedp.dp.sampling import PoissonSampler
 from widedp.errors import ConfigError
 
-#: privacy unit -> what one of its samples is called in a statement ("sentence (≤ 32 pairs)").
-SAMPLE_NOUN = {"cbow": {"pair": "pairs", "bag": "samples"}, "recsys": "interactions"}
-
 
 @dataclass(frozen=True)
 class Units:
@@ -118,39 +115,21 @@ def group_rows(g: PerSampleRows, segment: Tensor, *, num_units: int) -> PerSampl
     return dataclasses.replace(g, values=c.values, rows=c.rows, offsets=c.offsets)
 
 
-# ------------------------------------------------------------------------------------------------ task glue
+# ------------------------------------------------------------------------------------------------ config glue
 
 
 def privacy_unit(cfg: Any) -> str:
-    """The config's unit: ``pair`` / ``sentence`` / ``document`` (cbow), ``interaction`` / ``user`` (recsys)."""
-    default = "interaction" if cfg.task == "recsys" else "pair"
-    return getattr(cfg.data, "privacy_unit", default)
+    """The config's unit: ``pair`` / ``sentence`` / ``document`` (cbow), ``interaction`` / ``user`` (recsys),
+    ``example`` (a task whose data has no ``privacy_unit``: one item of its dataset)."""
+    return getattr(cfg.data, "privacy_unit", "example")
 
 
 def is_per_sample(cfg: Any) -> bool:
     """True when one sample is the unit (no grouping)."""
-    return privacy_unit(cfg) in ("pair", "interaction")
+    return privacy_unit(cfg) in ("pair", "interaction", "example")
 
 
-def unit_name(cfg: Any) -> str:
-    """The unit as statements name it, e.g. ``sentence (≤ 32 pairs)``, ``user (≤ 256 interactions)``."""
-    unit = privacy_unit(cfg)
-    noun = SAMPLE_NOUN["recsys"] if cfg.task == "recsys" else SAMPLE_NOUN["cbow"][cfg.data.sample_shape]
-    return f"{unit} (≤ {cfg.data.max_samples_per_unit} {noun})"
-
-
-def train_units(cfg: Any, split: Any, *, device: torch.device | str = "cpu") -> Units | None:
-    """The units of a train split (None when a sample is the unit). CBOW: the split's ``source`` Split carries each
-    sample's sentence, document and corpus-order key; recsys: the ``user`` feature, keyed by split index."""
-    if is_per_sample(cfg):
-        return None
-    unit = privacy_unit(cfg)
-    if cfg.task == "recsys":
-        if "user" not in split.names:
-            raise ConfigError("data.privacy_unit: user needs a 'user' feature in the data")
-        user = split.features[split.names.index("user")][:, 0].cpu().numpy()
-        return group_units(user, np.arange(len(user)), cap=cfg.data.max_samples_per_unit, device=device)
-    src = getattr(split, "source", None)
-    if src is None or getattr(src, unit, None) is None:
-        raise ConfigError(f"data.privacy_unit: {unit}: the prepared data has no {unit} ids (rebuild its cache)")
-    return group_units(getattr(src, unit), src.order, cap=cfg.data.max_samples_per_unit, device=device)
+def unit_name(cfg: Any, noun: str) -> str:
+    """The unit as statements name it, e.g. ``sentence (≤ 32 pairs)``, ``user (≤ 256 interactions)``; ``noun``:
+    what the task calls one of its samples."""
+    return f"{privacy_unit(cfg)} (≤ {cfg.data.max_samples_per_unit} {noun})"

@@ -30,9 +30,9 @@ from widedp.run.checkpoint import read_json, write_json
 
 JOURNAL = "spent.json"
 
-#: Set once ``widedp.run.train`` runs ``dp.preselect`` (``widedp.dp.selection.preselect``) and charges it before
-#: the first step
-#: (``preselect_runs``, e.g. as a ``run_budget.RunBudget`` prefix); until then a config with ``dp.preselect`` is
+#: Set once training runs ``dp.preselect`` (``widedp.dp.selection.preselect``) and charges it before the first step
+#: (``preselect_runs`` as a ``run_budget.RunBudget`` prefix, in ``widedp.run.engines.sparse.SparseDPEngine.setup``,
+#: the one place a run's plan is made); until then a config with ``dp.preselect`` is
 #: refused (by ``calibrated``, on every training and ``widedp epsilon`` path) rather than trained without it.
 PRESELECT_WIRED = False
 
@@ -143,49 +143,3 @@ def resumed_ledger(checkpointed: accounting.Ledger, journal: accounting.Ledger |
     if journal is None or replayable or journal.steps <= checkpointed.steps:
         return checkpointed
     return journal
-
-
-def train_size(cfg: Config) -> int:
-    """n, the number of training samples, without training (prepares the data only for fractional splits)."""
-    first = cfg.data.splits[0]
-    if isinstance(first, int):
-        return first
-    from widedp.data_prep.cbow import prepare_cbow
-
-    return len(prepare_cbow(cfg.data).train.target)
-
-
-def epsilon_report(cfg: Config) -> dict[str, Any]:
-    """``widedp epsilon``: what the config would spend over its whole run (JSON-able; no training)."""
-    if cfg.task == "glm":
-        raise ConfigError("epsilon: task glm algorithms calibrate their noise to algorithm.epsilon when they run; "
-                          "`widedp train CONFIG` (seconds) reports the spent epsilon in summary.json")
-    if cfg.dp is None:
-        raise ConfigError("epsilon: the config has no dp: section (non-private training spends no budget)")
-    from widedp.run import run_budget
-
-    if run_budget.handles(cfg):  # privacy units or a DP vocabulary (issue 11)
-        return run_budget.epsilon_report(cfg)
-    if cfg.task == "cbow":
-        n = train_size(cfg)
-        num_rows = cfg.data.vocab_size * (1 if cfg.model.tied else 2)
-    else:  # other tasks: build the data and the model once to learn n and the row space
-        import tempfile
-
-        import torch
-
-        from widedp.run.train import TASK_BUILDERS, _resolve
-
-        with tempfile.TemporaryDirectory() as tmp:
-            splits, model = _resolve(TASK_BUILDERS[cfg.task])(cfg, Path(tmp), device=torch.device("cpu"))
-        n, num_rows = len(splits["train"]), model.num_rows
-    dp = calibrated(cfg, num_rows=num_rows, n=n)
-    step = step_spend(dp, num_rows=num_rows, batch_size=cfg.train.batch_size, n=n)
-    steps = total_steps(cfg, n)
-    cap = budget_steps(dp, step)
-    if cap is not None:
-        steps = min(steps, cap)
-    rep = accounting.report(step, steps=steps, delta=dp.delta, accountant=dp.accountant)
-    rep.update({"n_train": n, "batch_size": cfg.train.batch_size, "selection": dp.selection.name,
-                "selection_epsilon": getattr(dp.selection, "epsilon", None), "budget_steps": cap})
-    return rep

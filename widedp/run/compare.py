@@ -26,6 +26,7 @@ never a run's privacy).
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 import sys
@@ -230,8 +231,8 @@ def plan(d: Path, cfg: Config, *, overwrite: bool = False) -> str:
 def run_sweep(sweep: Sweep, out: Path, *, progress: bool = False, overwrite: bool = False) -> dict[Path, str]:
     """Train every run x seed the plan says to (``plan``); every directory is checked before anything trains.
     Returns run directory -> action."""
-    from widedp.data_prep.cbow import prepare_cbow
     from widedp.run.train import train
+    from widedp.tasks import AlgorithmTask, get_task
 
     todo = []
     for run in sweep.runs:
@@ -244,18 +245,15 @@ def run_sweep(sweep: Sweep, out: Path, *, progress: bool = False, overwrite: boo
         print(f"widedp compare: {run.name} seed {seed} -> {d}: {ACTIONS[action]}", file=sys.stderr, flush=True)
         if action == "reuse":
             continue
+        task = get_task(cfg.task)
         data = None
-        # other tasks prepare their own data inside train(); so does a DP vocabulary (drawn per run, never shared)
-        if cfg.task == "cbow" and getattr(cfg.data, "vocabulary", "private_top") != "dp":
-            if cfg.data not in data_cache:
-                data_cache = {cfg.data: prepare_cbow(cfg.data)}  # keep one prepared corpus in memory at a time
-            data = data_cache[cfg.data]
+        if not isinstance(task, AlgorithmTask):  # data several runs may share (a corpus; not a DP vocabulary)
+            key = json.dumps(cfg.to_dict()["data"], sort_keys=True)  # (a module task's kwargs are not hashable)
+            if key not in data_cache:
+                data_cache = {key: task.shared_data(cfg)}  # keep one prepared corpus in memory at a time
+            data = data_cache[key]
         train(cfg, d, resume=action == "resume", overwrite=action in ("restart", "rerun"), progress=progress,
               data=data)
-        if cfg.task == "recsys":
-            from widedp.tasks.recsys import add_eval_metrics
-
-            add_eval_metrics(cfg, d)
     return {d: action for _, _, d, _, action in todo}
 
 

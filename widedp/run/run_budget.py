@@ -19,7 +19,6 @@ from typing import Any
 from widedp import accounting
 from widedp.accounting.pld import PLDRangeError
 from widedp.config import Config, DPConfig
-from widedp.dp import units
 from widedp.dp.spend import StepSpend
 from widedp.errors import ConfigError
 from widedp.run import budget
@@ -51,15 +50,18 @@ class RunBudget:
 
 
 def for_config(cfg: Config) -> RunBudget:
-    """The run budget of ``cfg`` (empty unless a cbow config with ``data.vocabulary: dp`` and a dp: section)."""
-    if cfg.dp is None or cfg.task != "cbow" or getattr(cfg.data, "vocabulary", "") != "dp":
+    """The run budget of ``cfg`` (empty unless its data asks for ``vocabulary: dp``, a CBOW's, and it has a dp:
+    section)."""
+    if cfg.dp is None or getattr(cfg.data, "vocabulary", "") != "dp":
         return RunBudget()
     rb = RunBudget((budget.vocabulary_spend(cfg.data.vocab_dp),), cfg.data.vocab_dp.delta)
     rb.accounting_delta(cfg.dp.delta)  # refuse a threshold delta >= dp.delta early
     return rb
 
 
-def _eps(rb: RunBudget, dp: DPConfig, runs: list[tuple[StepSpend, int]], accountant: str | None = None) -> float:
+def composed_epsilon(rb: RunBudget, dp: DPConfig, runs: list[tuple[StepSpend, int]], accountant: str | None = None
+                     ) -> float:
+    """eps of the prefix composed with ``runs`` [(step spend, count)] at the run's delta (inf out of PLD range)."""
     try:
         e = accounting.compose_epsilon([(p, 1) for p in rb.prefix] + runs, delta=rb.accounting_delta(dp.delta),
                                        accountant=accountant or dp.accountant)
@@ -89,9 +91,9 @@ def calibrated(cfg: Config, *, num_rows: int, n: int, rb: RunBudget) -> DPConfig
     b, steps = cfg.train.batch_size, budget.total_steps(cfg, n)
     target = dp.target_epsilon
     assert target is not None
-    if _eps(rb, dp, []) >= target:
+    if composed_epsilon(rb, dp, []) >= target:
         raise ConfigError(f"dp.target_epsilon: {target:g} is infeasible: the DP vocabulary alone spends "
-                          f"{_eps(rb, dp, []):.4g}; raise data.vocab_dp.noise_multiplier or the target")
+                          f"{composed_epsilon(rb, dp, []):.4g}; raise data.vocab_dp.noise_multiplier or the target")
     if dp.calibrate == "noise_multiplier":
         def make(x: float) -> DPConfig:
             return replace(dp, noise_multiplier=x)
@@ -109,7 +111,7 @@ def calibrated(cfg: Config, *, num_rows: int, n: int, rb: RunBudget) -> DPConfig
     x0 = dp0.selection.epsilon if increasing else dp0.noise_multiplier
 
     def f(x: float) -> float:
-        return _eps(rb, dp, [(budget.step_spend(make(x), num_rows=num_rows, batch_size=b, n=n), steps)])
+        return composed_epsilon(rb, dp, [(budget.step_spend(make(x), num_rows=num_rows, batch_size=b, n=n), steps)])
 
     return make(_solve(f, target, x0=x0, increasing=increasing))
 
@@ -152,91 +154,36 @@ def budget_steps(dp: DPConfig, step: StepSpend, rb: RunBudget) -> int | None:
     if not rb.prefix:
         return budget.budget_steps(dp, step)
     target = dp.target_epsilon
-    if _eps(rb, dp, []) > target:
+    if composed_epsilon(rb, dp, []) > target:
         return 0
     hi = accounting.max_steps(step, delta=rb.accounting_delta(dp.delta), target_epsilon=target,
                               accountant=dp.accountant)  # training alone: an upper bound
-    if _eps(rb, dp, [(step, hi)]) <= target:
+    if composed_epsilon(rb, dp, [(step, hi)]) <= target:
         return hi
     lo = 0  # eps(lo) <= target < eps(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _eps(rb, dp, [(step, mid)]) <= target else (lo, mid)
+        lo, hi = (mid, hi) if composed_epsilon(rb, dp, [(step, mid)]) <= target else (lo, mid)
     return lo
 
 
-# ------------------------------------------------------------------------------------------------ widedp epsilon
+# ---------------------------------------------------------------------------------------------------- the plan
 
 
-def handles(cfg: Config) -> bool:
-    """Does ``widedp epsilon`` need this module (units or a prefix) rather than ``budget.epsilon_report``?"""
-    return cfg.dp is not None and cfg.task in ("cbow", "recsys") and (not units.is_per_sample(cfg)
-                                                                     or bool(for_config(cfg).prefix))
+@dataclass(frozen=True)
+class DPPlan:
+    """A DP run's privacy plan: ``rb`` (what is spent before the first step), ``dp`` (calibrated), ``spend`` (what
+    every step spends), ``cap`` (the most training steps within ``dp.target_epsilon``; None = no target)."""
+
+    rb: RunBudget
+    dp: DPConfig
+    spend: StepSpend
+    cap: int | None
 
 
-def train_units_of(cfg: Config) -> tuple[int, int, int, dict[str, Any]]:
-    """(N units, n samples, rows, notes) of ``cfg``'s training split without training. A DP vocabulary is drawn
-    per run, so its N is estimated with the top-V vocabulary (noted)."""
-    import tempfile
-    from pathlib import Path
-
-    import torch
-
-    notes: dict[str, Any] = {}
-    if cfg.task == "cbow":
-        from widedp.data_prep.cbow import prepare_cbow
-        from widedp.run.train import SplitTensors
-
-        data_cfg = cfg.data
-        if data_cfg.vocabulary == "dp":
-            data_cfg = replace(data_cfg, vocabulary="private_top")
-            notes["n_units_note"] = ("estimated with the top-V vocabulary: the run's DP vocabulary changes the number "
-                                     "of units slightly (its summary.json has the exact figure)")
-        split = SplitTensors.of(prepare_cbow(data_cfg).train, torch.device("cpu"))
-        num_rows = cfg.data.vocab_size * (1 if cfg.model.tied else 2)
-    else:
-        from widedp.run.train import TASK_BUILDERS, _resolve
-
-        with tempfile.TemporaryDirectory() as tmp:
-            splits, model = _resolve(TASK_BUILDERS[cfg.task])(cfg, Path(tmp), device=torch.device("cpu"))
-        split, num_rows = splits["train"], model.num_rows
-    grouped = units.train_units(cfg, split)
-    n = len(split)
-    return (grouped.num_units if grouped is not None else n), n, num_rows, notes
-
-
-def epsilon_report(cfg: Config) -> dict[str, Any]:
-    """``widedp epsilon`` for a config with privacy units or a DP vocabulary: everything the run would spend
-    (``epsilon``: vocabulary + training at ``dp.delta``; ``epsilon_training_only``: the steps alone)."""
-    assert cfg.dp is not None
-    rb = for_config(cfg)
-    n_units, n, num_rows, notes = train_units_of(cfg)
-    dp = calibrated(cfg, num_rows=num_rows, n=n_units, rb=rb)
-    b = cfg.train.batch_size
-    step = budget.step_spend(dp, num_rows=num_rows, batch_size=b, n=n_units)
-    steps = budget.total_steps(cfg, n_units)
-    cap = budget_steps(dp, step, rb)
-    if cap is not None:
-        steps = min(steps, cap)
-    delta_acc = rb.accounting_delta(dp.delta)
-    rep = accounting.report(step, steps=steps, delta=delta_acc, accountant=dp.accountant)
-    rep.update({"n_train": n, "n_units": n_units, "privacy_unit": units.privacy_unit(cfg), "batch_size": b,
-                "batch_size_unit": "units" if not units.is_per_sample(cfg) else "samples",
-                "selection": dp.selection.name, "selection_epsilon": getattr(dp.selection, "epsilon", None),
-                "budget_steps": cap, **notes})
-    if not units.is_per_sample(cfg):
-        rep["max_samples_per_unit"] = cfg.data.max_samples_per_unit
-    if rb.prefix:
-        rep["epsilon_training_only"] = rep["epsilon"]
-        for key, acct in (("epsilon_pld", "pld"), ("epsilon_rdp", "rdp")):
-            rep[key] = _eps(rb, dp, [(step, steps)], acct)
-        rep["epsilon"] = rep["epsilon_pld"] if dp.accountant == "pld" else rep["epsilon_rdp"]
-        rep["delta"] = dp.delta
-        v = cfg.data.vocab_dp
-        rep["vocabulary"] = {"mechanism": "Gaussian partition selection (widedp.dp.vocab)", "sampling_rate": 1.0,
-                             "noise_multiplier": v.noise_multiplier, "sensitivity": 1.0,
-                             "max_words_per_unit": v.max_words_per_unit, "threshold_delta": v.delta,
-                             "epsilon_alone": _eps(rb, dp, []),
-                             "accounting": f"ledger eps at delta - {v.delta:g} (vocabulary Gaussian + steps) "
-                                           f"+ ln(1/(1 - {v.delta:g}))"}
-    return rep
+def plan(cfg: Config, rb: RunBudget, *, num_rows: int, n: int) -> DPPlan:
+    """The plan of ``cfg`` over ``n`` training samples (or units) and ``num_rows`` selectable rows, after ``rb``:
+    the same for a run (``widedp.run.engines``) and for ``widedp epsilon`` (``widedp.run.epsilon``)."""
+    dp = calibrated(cfg, num_rows=num_rows, n=n, rb=rb)
+    spend = budget.step_spend(dp, num_rows=num_rows, batch_size=cfg.train.batch_size, n=n)
+    return DPPlan(rb, dp, spend, budget_steps(dp, spend, rb))

@@ -20,46 +20,35 @@ DIAGNOSTICS_NOTICE = ("NON-PRIVATE diagnostics of the training batches (train lo
                       "`widedp export` writes.")
 
 
-def run_statement(cfg: Config, dp: Any, ledger: accounting.Ledger, *, private_rng: bool,
+def run_statement(facts: statement.UnitFacts, dp: Any, ledger: accounting.Ledger, *, private_rng: bool,
                   rb: run_budget.RunBudget | None = None) -> statement.PrivacyStatement:
-    """The statement of a cbow/recsys run: the headline accountant's ε over everything the ledger recorded (the DP
-    vocabulary included, ``rb``)."""
-    if dp is None:
-        return statement.for_run(cfg, epsilon=None, delta=None, accountant="", private_rng=private_rng)
+    """The statement of a run of the DP-sparse engine: the headline accountant's ε over everything the ledger
+    recorded (the DP vocabulary included, ``rb``)."""
     eps = epoch_epsilons(dp, ledger, rb).get("epsilon", 0.0)
-    return statement.for_run(cfg, epsilon=eps, delta=dp.delta, accountant=dp.accountant, private_rng=private_rng)
+    return statement.for_run(facts, epsilon=eps, delta=dp.delta, accountant=dp.accountant, private_rng=private_rng)
 
 
-def summary(cfg: Config, dp: Any, history: list[dict[str, Any]], *, step: int, per_epoch: int, wall: float,
-            setup_s: float, n: int, ledger: accounting.Ledger, stopped: bool, cap: int | None, private_rng: bool,
-            rb: run_budget.RunBudget | None = None, unit_info: dict[str, Any] | None = None,
+def summary(cfg: Config, history: list[dict[str, Any]], *, step: int, per_epoch: int, wall: float, setup_s: float,
+            n: int, st: statement.PrivacyStatement, unit_info: dict[str, Any] | None = None,
             kept_epoch: int | None = None) -> dict[str, Any]:
-    """The summary dict of a cbow/recsys run (written to summary.json). ``unit_info``: the privacy unit's facts
-    (unit, N units, cap, samples dropped by the cap); with units, ``samples_per_s`` counts units."""
+    """The summary dict of a run of the loop (written to summary.json; the engine adds its ``dp`` section).
+    ``unit_info``: the privacy unit's facts (unit, N units, cap, samples dropped by the cap); with units,
+    ``samples_per_s`` counts units."""
     last = history[-1] if history else {}
     if kept_epoch is not None:  # train.keep_best: the final weights are that epoch's
         last = next(h for h in history if h["epoch"] == kept_epoch)
     samples = step * cfg.train.batch_size
-    st = run_statement(cfg, dp, ledger, private_rng=private_rng, rb=rb)
     out: dict[str, Any] = {
         "train_loss": last.get("train_loss"), "valid_loss": last.get("valid_loss"),
         "test_loss": last.get("test_loss"), "steps": step, "epochs": step / per_epoch,
         "samples_per_s": samples / wall if wall > 0 else None, "train_s": wall, "setup_s": setup_s, "n_train": n,
-        "config_hash": cfg.hash(), "private": dp is not None and private_rng,
+        "config_hash": cfg.hash(), "private": st.private,
         "initial_valid_loss": history[0]["valid_loss"], "privacy": st.to_json(), "notice": DIAGNOSTICS_NOTICE,
     }
     if kept_epoch is not None:
         out["kept_epoch"] = kept_epoch  # the losses above and the saved weights are that epoch's (train.keep_best)
     if unit_info:
         out["units"] = unit_info
-    if dp is not None:
-        out["dp"] = {
-            "delta": dp.delta, "noise_multiplier": dp.noise_multiplier, "selection": dp.selection.name,
-            "selection_epsilon": getattr(dp.selection, "epsilon", None), "accountant": dp.accountant,
-            "epsilon": st.epsilon, "epsilon_rdp": epoch_epsilons(dp, ledger, rb).get("epsilon_rdp", 0.0),
-            "stopped_by_budget": stopped, "budget_steps": cap, "target_epsilon": dp.target_epsilon,
-            "rng": dp.rng, "ledger": ledger.to_json(),
-        }
     return out
 
 
@@ -72,12 +61,9 @@ def epoch_epsilons(dp: Any, ledger: accounting.Ledger, rb: run_budget.RunBudget 
     return budget.ledger_epsilons(dp, ledger) if rb is None else run_budget.epsilons(dp, ledger, rb)
 
 
-def plot_title(cfg: Config, dp: Any, st: statement.PrivacyStatement) -> str:
-    """loss.png's title: the method, and ε with its δ and unit."""
-    if dp is None:
-        return "non-private"
-    unit, _ = statement.unit_and_gaps(cfg)
-    head = f"DP {dp.selection.name}, σ={dp.noise_multiplier:.3g}\nε={st.epsilon:.3g}, δ={dp.delta:g} per {unit}"
+def plot_title(dp: Any, st: statement.PrivacyStatement) -> str:
+    """loss.png's title of a DP-sparse run: the method, and ε with its δ and unit."""
+    head = f"DP {dp.selection.name}, σ={dp.noise_multiplier:.3g}\nε={st.epsilon:.3g}, δ={dp.delta:g} per {st.unit}"
     return head if st.private else "NOT PRIVATE (reproducible rng) " + head
 
 

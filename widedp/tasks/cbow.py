@@ -1,21 +1,31 @@
-"""The CBOW task's data and model for ``widedp.run.train``: the prepared splits as tensors, the model, and the run's
-vocabulary (top-V, a public word list, or the run's DP release: ``widedp.dp.vocab``)."""
+"""The CBOW task: the prepared splits as tensors, the model, the run's vocabulary (top-V, a public word list, or the
+run's DP release: ``widedp.dp.vocab``), its privacy units (pair, sentence, document) and the Opacus baseline's
+model (``dp.engine: opacus``)."""
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.utils.data import Dataset
 
+from widedp.accounting.statement import UnitFacts
 from widedp.config import Config
 from widedp.data_prep import corpus as corpus_mod
 from widedp.data_prep.cbow import CBOWData, Split, prepare_cbow
+from widedp.dp import units
 from widedp.dp import vocab as vocab_dp
 from widedp.errors import ConfigError
 from widedp.models.cbow import CBOW, CBOWBatch
+from widedp.tasks.base import LoopTask
+from widedp.tasks.protocol import Built, OpacusParts, Shape
+
+VOCAB_NOT_COVERED = ("vocabulary not private: the vocabulary (the top-V words of the training corpus by count, ties "
+                     "at the cut included) and the negative-sampling distribution (their counts)")
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,24 @@ class SplitTensors:
                          self.negatives.index_select(0, idx))
 
 
+class SplitDataset(Dataset):
+    """A split as an Opacus-friendly dataset: ``__getitems__`` gathers a whole batch with three index_selects."""
+
+    def __init__(self, split: SplitTensors) -> None:
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.split
+        return s.target[i], s.context[i], s.negatives[i]
+
+    def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b = self.split.batch(torch.as_tensor(idx, dtype=torch.long, device=self.split.target.device))
+        return b.target, b.context, b.negatives
+
+
 def build_cbow(cfg: Config, out: Path, *, device: torch.device, data: CBOWData | None = None
                ) -> tuple[dict[str, SplitTensors], CBOW]:
     """CBOW task: prepared splits (as tensors on ``device``) and the model; writes ``out/vocab.json``."""
@@ -56,8 +84,6 @@ def cbow_data(cfg: Config, out: Path, *, data: CBOWData | None, noise_seed: int 
               ) -> tuple[CBOWData, vocab_dp.VocabRelease | None]:
     """The run's CBOW data and its DP vocabulary release (``data.vocabulary: dp``: drawn once per run with the
     generator of ``noise_seed``, the run's secret one, and kept in RUN/; see ``widedp.dp.vocab``)."""
-    if cfg.data.vocabulary == "dp" and cfg.dp is None:
-        raise ConfigError("data.vocabulary: dp is charged to the run's privacy ledger; it needs a dp: section")
     release = None
     if noise_seed is not None:
         release = vocab_dp.run_release(cfg.data, out, noise_seed=noise_seed)
@@ -70,9 +96,85 @@ def cbow_data(cfg: Config, out: Path, *, data: CBOWData | None, noise_seed: int 
     return data, release
 
 
-def warn_vocabulary(cfg: Config) -> None:
-    """``data.vocabulary: private_top`` with DP: say on stderr that the vocabulary is not private."""
-    if cfg.task == "cbow" and cfg.dp is not None and cfg.data.vocabulary == "private_top":
-        print("widedp: warning: data.vocabulary: private_top — the vocabulary and the negative-sampling distribution "
-              "come from the training corpus WITHOUT privacy (not covered by ε); use data.vocabulary: dp or "
-              "file:PATH", file=sys.stderr)
+class CBOWTask(LoopTask):
+    name = "cbow"
+
+    def check(self, cfg: Config, *, private: bool) -> None:
+        if cfg.data.vocabulary == "dp" and not private:
+            raise ConfigError("data.vocabulary: dp is charged to the run's privacy ledger; it needs a dp: section")
+
+    def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None
+              ) -> Built:
+        data, release = cbow_data(cfg, out, data=data, noise_seed=noise_seed)
+        splits, model = build_cbow(cfg, out, device=device, data=data)
+        return Built(splits, model, {"vocabulary": release.mechanism} if release is not None else {})
+
+    def shape(self, cfg: Config) -> Shape:
+        """n without preparing the data when the splits are counts and samples are the unit; else the train split
+        (a DP vocabulary is drawn per run, so then n is estimated with the top-V vocabulary: noted)."""
+        num_rows = cfg.data.vocab_size * (1 if cfg.model.tied else 2)
+        dp_vocab = cfg.data.vocabulary == "dp" and cfg.dp is not None
+        if units.is_per_sample(cfg) and not dp_vocab:
+            first = cfg.data.splits[0]
+            return Shape(first if isinstance(first, int) else len(prepare_cbow(cfg.data).train.target), num_rows)
+        data_cfg, notes = cfg.data, {}
+        if dp_vocab:
+            data_cfg = replace(data_cfg, vocabulary="private_top")
+            notes["n_units_note"] = ("estimated with the top-V vocabulary: the run's DP vocabulary changes the number "
+                                     "of units slightly (its summary.json has the exact figure)")
+        split = SplitTensors.of(prepare_cbow(data_cfg).train, torch.device("cpu"))
+        return Shape(len(split), num_rows, split, notes)
+
+    def units(self, cfg: Config, split: Any, *, device: torch.device | str) -> units.Units | None:
+        """Sentence or document units: the split's ``source`` carries each sample's ids and corpus-order key."""
+        if units.is_per_sample(cfg):
+            return None
+        unit = units.privacy_unit(cfg)
+        src = getattr(split, "source", None)
+        if src is None or getattr(src, unit, None) is None:
+            raise ConfigError(f"data.privacy_unit: {unit}: the prepared data has no {unit} ids (rebuild its cache)")
+        return units.group_units(getattr(src, unit), src.order, cap=cfg.data.max_samples_per_unit, device=device)
+
+    def privacy(self, cfg: Config) -> UnitFacts:
+        if units.is_per_sample(cfg):
+            unit = ("(target, context) pair" if cfg.data.sample_shape == "pair"
+                    else "(target, context window) sample")
+        else:
+            unit = units.unit_name(cfg, "pairs" if cfg.data.sample_shape == "pair" else "samples")
+        vocabulary = cfg.data.vocabulary
+        gaps = (VOCAB_NOT_COVERED,) if vocabulary == "private_top" else ()
+        includes: tuple[str, ...] = ()
+        if vocabulary == "dp" and cfg.dp is not None:
+            v = cfg.data.vocab_dp
+            includes = (f"the DP vocabulary and its noisy counts (the negative-sampling distribution): Gaussian "
+                        f"partition selection, σ={v.noise_multiplier:g}, ≤ {v.max_words_per_unit} words per "
+                        f"{cfg.data.privacy_unit}, threshold δ_τ={v.delta:g} of δ",)
+        elif vocabulary.startswith("file:"):
+            includes = ("the vocabulary: a public word list (data.vocabulary: file:PATH), nothing private spent on it",)
+        return UnitFacts(unit, gaps, includes)
+
+    def opacus(self, cfg: Config, built: Built) -> OpacusParts:
+        """``OpacusCBOW`` (``nn.Embedding`` only) with the built CBOW's weights; evaluation copies them back."""
+        from widedp.models.cbow_opacus import OpacusCBOW
+
+        model = built.model
+
+        def sync(module: torch.nn.Module) -> CBOW:
+            model.load_state_dict(module.state_dict())
+            return model
+
+        return OpacusParts(OpacusCBOW.from_cbow(model), SplitDataset(built.splits["train"]), sync)
+
+    def warn(self, cfg: Config) -> None:
+        """``data.vocabulary: private_top`` with DP: say on stderr that the vocabulary is not private."""
+        if cfg.dp is not None and cfg.data.vocabulary == "private_top":
+            print("widedp: warning: data.vocabulary: private_top — the vocabulary and the negative-sampling "
+                  "distribution come from the training corpus WITHOUT privacy (not covered by ε); use "
+                  "data.vocabulary: dp or file:PATH", file=sys.stderr)
+
+    def shared_data(self, cfg: Config) -> CBOWData | None:
+        """The prepared corpus, shared by a sweep's runs of the same data (not a DP vocabulary: drawn per run)."""
+        return None if cfg.data.vocabulary == "dp" else prepare_cbow(cfg.data)
+
+
+TASK = CBOWTask()

@@ -258,3 +258,20 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 def _plot_accuracy(history: list[dict[str, Any]], path: Path, *, title: str) -> None:
     plot_history(history, path, keys=("train_accuracy", "test_accuracy"), x="iteration", ylabel="accuracy",
                  title=title)
+
+
+class GLMTask:
+    """``task: glm`` (``widedp.tasks.TASKS``): convex DP algorithms with their own loops, not the DP-sparse step."""
+
+    name = "glm"
+    summary_keys: tuple[str, ...] = ()
+
+    def train(self, cfg: Config, out: Path, *, resume: bool, progress: bool) -> dict[str, Any]:
+        return train_glm(cfg, out, resume=resume, progress=progress)
+
+    def epsilon_report(self, cfg: Config) -> dict[str, Any]:
+        raise ConfigError("epsilon: task glm algorithms calibrate their noise to algorithm.epsilon when they run; "
+                          "`widedp train CONFIG` (seconds) reports the spent epsilon in summary.json")
+
+
+TASK = GLMTask()

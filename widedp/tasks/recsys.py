@@ -1,4 +1,4 @@
-"""The ``recsys`` task's builder for ``widedp.run.train`` (registered in ``widedp.run.train.TASK_BUILDERS``).
+"""The ``recsys`` task (``widedp.tasks.TASKS["recsys"]``): a DLRM-style recommender on interaction data.
 
     widedp train configs/recsys_synthetic_sparse_exp.yaml --out runs/recsys
     widedp epsilon configs/recsys_synthetic_sparse_exp.yaml
@@ -10,8 +10,8 @@ false``); ``sparse_adam`` is not available because the MLP is dense. DP: ``sgd``
 optimizers over the tables and the dense rows.
 
 A run directory also holds ``features.json`` (table sizes, positive rate) and ``ids.json`` (the raw id of every
-table row, what ``widedp export --format torch`` releases beside the weights). ``add_eval_metrics`` adds AUC and
-normalised entropy of the final model (valid and test) to ``summary.json`` and ``metrics.jsonl``.
+table row, what ``widedp export --format torch`` releases beside the weights). At the end of a run AUC and normalised
+entropy of the final model (valid and test) are added to ``summary.json`` and ``metrics.jsonl`` (``finish``).
 """
 
 from __future__ import annotations
@@ -20,14 +20,21 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from widedp.accounting.statement import UnitFacts
 from widedp.config import Config
 from widedp.config.recsys import RecsysModelConfig
 from widedp.data_prep.interactions import InteractionData, RecsysSplit, prepare_interactions
+from widedp.dp import units
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysModel
-from widedp.run.checkpoint import load_checkpoint, read_json, write_json
+from widedp.run.checkpoint import write_json
+from widedp.tasks.base import LoopTask
+from widedp.tasks.protocol import Built
+
+IDS_NOT_COVERED = "the embedding-table sizes and id -> row numbering (computed from the data's distinct ids)"
 
 
 def build_model(cardinality: dict[str, int], cfg: RecsysModelConfig, *, seed: int,
@@ -38,21 +45,6 @@ def build_model(cardinality: dict[str, int], cfg: RecsysModelConfig, *, seed: in
     model = RecsysModel(cardinality, dim=cfg.dim, hidden=cfg.hidden, pooling=cfg.pooling,
                         interaction=cfg.interaction, sparse=cfg.sparse, init_scale=cfg.init_scale, generator=gen)
     return model.to(device)
-
-
-def build_recsys(cfg: Config, out: Path, *, device: torch.device, data: InteractionData | None = None
-                 ) -> tuple[dict[str, RecsysSplit], RecsysModel]:
-    """Recsys task: splits (tensors on ``device``) and the model; writes ``out/features.json``."""
-    if cfg.dp is None and cfg.train.optimizer == "sparse_adam":
-        raise ConfigError("train.optimizer: sparse_adam is not available for recsys (its MLP is dense); use adam "
-                          "with model.sparse: false, or sgd")
-    data = data if data is not None else prepare_interactions(cfg.data)
-    splits = {k: RecsysSplit(getattr(data, k), device) for k in ("train", "valid", "test")}
-    (out / "features.json").write_text(json.dumps({"cardinality": data.cardinality,
-                                                   "positive_rate": data.positive_rate}))
-    if data.ids is not None:
-        write_json(out / IDS_FILE, ids_document(data), indent=None)
-    return splits, build_model(data.cardinality, cfg.model, seed=cfg.train.seed, device=device)
 
 
 IDS_FILE = "ids.json"
@@ -66,27 +58,52 @@ def ids_document(data: InteractionData) -> dict[str, Any]:
             "note": "row r of table t_<feature> in model.pt is raw id ids[feature][r]"}
 
 
-def add_eval_metrics(cfg: Config, run_dir: Path) -> dict[str, float]:
-    """AUC, normalised entropy and BCE of the run's final model on its valid and test splits (the first
-    ``train.eval_max_samples`` of each, as the losses), added to ``summary.json`` (``valid_auc``, ``test_ne``, ...)
-    and ``metrics.jsonl`` (a ``kind: eval`` record); returns them."""
-    data = prepare_interactions(cfg.data)
-    model = build_model(data.cardinality, cfg.model, seed=cfg.train.seed)
-    try:
-        model.load_state_dict(load_checkpoint(run_dir)["model"])
-    except (KeyError, RuntimeError) as e:
-        raise ConfigError(f"{run_dir}: checkpoint does not hold this recommender ({type(e).__name__})") from None
-    model.eval()
-    tc = cfg.train
-    out: dict[str, float] = {}
-    for split in ("valid", "test"):
-        m = model.eval_metrics(RecsysSplit(getattr(data, split), "cpu"), batch_size=tc.eval_batch_size,
-                               max_samples=tc.eval_max_samples)
-        out.update({f"{split}_{k}": v for k, v in m.items() if k != "bce"})
-    summary_path = run_dir / "summary.json"
-    summary = read_json(summary_path)
-    summary.update(out)
-    write_json(summary_path, summary)
-    with (run_dir / "metrics.jsonl").open("a") as f:
-        f.write(json.dumps({"kind": "eval", "step": summary.get("steps"), **out}) + "\n")
-    return out
+class RecsysTask(LoopTask):
+    name = "recsys"
+    summary_keys = ("valid_auc", "test_auc", "valid_ne", "test_ne")
+
+    def check(self, cfg: Config, *, private: bool) -> None:
+        if not private and cfg.train.optimizer == "sparse_adam":
+            raise ConfigError("train.optimizer: sparse_adam is not available for recsys (its MLP is dense); use adam "
+                              "with model.sparse: false, or sgd")
+
+    def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None
+              ) -> Built:
+        """Splits (tensors on ``device``) and the model; writes ``out/features.json`` and ``out/ids.json``."""
+        data = data if data is not None else prepare_interactions(cfg.data)
+        splits = {k: RecsysSplit(getattr(data, k), device) for k in ("train", "valid", "test")}
+        (out / "features.json").write_text(json.dumps({"cardinality": data.cardinality,
+                                                       "positive_rate": data.positive_rate}))
+        if data.ids is not None:
+            write_json(out / IDS_FILE, ids_document(data), indent=None)
+        return Built(splits, build_model(data.cardinality, cfg.model, seed=cfg.train.seed, device=device))
+
+    def units(self, cfg: Config, split: Any, *, device: torch.device | str) -> units.Units | None:
+        """User units: the ``user`` feature, each user's interactions keyed by their index in the split."""
+        if units.is_per_sample(cfg):
+            return None
+        if "user" not in split.names:
+            raise ConfigError("data.privacy_unit: user needs a 'user' feature in the data")
+        user = split.features[split.names.index("user")][:, 0].cpu().numpy()
+        return units.group_units(user, np.arange(len(user)), cap=cfg.data.max_samples_per_unit, device=device)
+
+    def privacy(self, cfg: Config) -> UnitFacts:
+        unit = ("interaction (one user-item example)" if units.is_per_sample(cfg)
+                else units.unit_name(cfg, "interactions"))
+        return UnitFacts(unit, () if cfg.data.source == "synthetic" else (IDS_NOT_COVERED,))
+
+    def finish(self, cfg: Config, out: Path, built: Built) -> dict[str, Any]:
+        """AUC, normalised entropy (and BCE) of the final model on the valid and test splits (the first
+        ``train.eval_max_samples`` of each, as the losses)."""
+        model, tc = built.model, cfg.train
+        model.eval()
+        res: dict[str, Any] = {}
+        for split in ("valid", "test"):
+            m = model.eval_metrics(built.splits[split], batch_size=tc.eval_batch_size,
+                                   max_samples=tc.eval_max_samples)
+            res.update({f"{split}_{k}": v for k, v in m.items() if k != "bce"})
+        model.train()
+        return res
+
+
+TASK = RecsysTask()

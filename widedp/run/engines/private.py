@@ -1,0 +1,95 @@
+"""What both DP engines share: the run's secret seeds, what is spent before the first step, the privacy plan, the
+ledger, the spent-budget journal written ahead (``widedp.run.budget``) and the budget stop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from widedp import accounting
+from widedp.config import Config
+from widedp.dp import rng
+from widedp.run import budget, run_budget
+from widedp.run import summary as run_summary
+
+
+class PrivateEngine:
+    """Base of ``SparseDPEngine`` and ``OpacusEngine``.
+
+    Randomness that protects the data is seeded from ``rng.run_seeds`` (``dp.rng: secure``: the OS CSPRNG, kept
+    only in RUN/private/, never in config.yaml, checkpoints or logs); the generators' states at each checkpoint are
+    saved there too (``save_private``), so a resumed run can replay exactly.
+    """
+
+    def __init__(self, cfg: Config, out: Path, *, device: torch.device, resumed: bool) -> None:
+        assert cfg.dp is not None
+        self.cfg, self.out, self.device, self.dp = cfg, out, device, cfg.dp
+        self.seeds, self.replayable = rng.run_seeds(out, mode=cfg.dp.rng, seed=cfg.train.seed, resume=resumed)
+        self.rb = run_budget.for_config(cfg)  # what is spent before the first step (the DP vocabulary)
+        self.prefix_seed = self.seeds.noise if self.rb.prefix else None
+        self.unit_info: dict[str, Any] | None = None
+
+    def _plan(self, *, num_rows: int, n: int) -> None:
+        """The privacy plan over ``n`` samples (or units): the ledger, starting with the prefix's entries (``self.rb``,
+        each recorded once), sigma (or the selection's epsilon) calibrated for the whole run with the prefix, what
+        each step spends, the budget cap; the noise generator."""
+        self.ledger = accounting.Ledger()
+        for p in self.rb.prefix:
+            self.ledger.add(p)
+        self.plan = run_budget.plan(self.cfg, self.rb, num_rows=num_rows, n=n)
+        self.dp, self.spend, self.cap = self.plan.dp, self.plan.spend, self.plan.cap
+        self.n_draw, self.sampling_rate = n, self.cfg.train.batch_size / n
+        self.per_epoch = budget.steps_per_epoch(self.cfg.train.batch_size, n)
+        self.total = budget.total_steps(self.cfg, n)
+        self.noise_gen = torch.Generator(device=self.device)
+        self.noise_gen.manual_seed(self.seeds.noise)
+
+    def start(self) -> dict[str, Any]:
+        if self.rb.prefix:
+            budget.write_journal(self.out, self.ledger)  # the prefix's spend, before anything derived from it leaves
+        return {"dp": {"noise_multiplier": self.dp.noise_multiplier, "selection": self.dp.selection.name,
+                       "budget_steps": self.cap}}
+
+    @property
+    def trained(self) -> int:
+        """Training steps recorded (the prefix is not a step)."""
+        return self.ledger.steps - self.rb.prefix_steps
+
+    def exhausted(self) -> bool:
+        return self.cap is not None and self.trained >= self.cap
+
+    def reserve(self, steps: int) -> None:
+        """Record the next ``steps`` steps (fewer when the cap is nearer) in the journal before any of them can leave
+        the process."""
+        pending = accounting.Ledger.from_json(self.ledger.to_json())
+        pending.add(self.spend, count=steps if self.cap is None else min(steps, self.cap - self.trained))
+        budget.write_journal(self.out, pending)
+
+    def _resumed_ledger(self, ckpt: dict[str, Any], *, replayable: bool) -> accounting.Ledger:
+        """The checkpoint's ledger, or the journal's when the lost steps cannot be replayed (they stay spent)."""
+        return budget.resumed_ledger(accounting.Ledger.from_json(ckpt["ledger"]), budget.read_journal(self.out),
+                                     replayable=replayable)
+
+    def epsilons(self) -> dict[str, Any]:
+        return run_summary.epoch_epsilons(self.dp, self.ledger, self.rb)
+
+    def prune_private(self, step: int) -> None:
+        rng.prune_states(self.out, step)
+
+    def close(self) -> None:
+        budget.write_journal(self.out, self.ledger)  # the run is over: what it spent is exactly the ledger
+
+    def _dp_summary(self, *, stopped: bool) -> dict[str, Any]:
+        """summary.json's ``dp`` keys both engines write (each adds its epsilons)."""
+        dp = self.dp
+        return {"delta": dp.delta, "noise_multiplier": dp.noise_multiplier, "selection": dp.selection.name,
+                "selection_epsilon": getattr(dp.selection, "epsilon", None), "accountant": dp.accountant,
+                "stopped_by_budget": stopped, "budget_steps": self.cap, "target_epsilon": dp.target_epsilon,
+                "rng": dp.rng, "ledger": self.ledger.to_json()}
+
+    def _nonfinite_stats(self, count: int, step: int) -> dict[str, Any]:
+        if count:
+            run_summary.warn_nonfinite(count, step)
+        return {"nonfinite_samples": count}

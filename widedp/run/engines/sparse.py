@@ -1,0 +1,125 @@
+"""widedp's DP engine (``dp.engine: widedp``): ``dp_step`` on Poisson batches of samples or privacy units.
+
+Each step: the model's per-sample row gradients (``per_sample_row_grads``; summed per unit when a unit groups
+samples, ``widedp.dp.units``), ``dp_step`` (clip, select rows privately, clip, noise: paper Alg. 3), the task's row
+optimizer on the noisy selected rows, and the step's spend into the ledger. Sampling (``PoissonSampler``) is a pure
+function of the secret seed and the step, and the noise generator's state is saved at every checkpoint, so a
+resumed run replays the lost steps bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from widedp.config import Config
+from widedp.dp import rng, units
+from widedp.dp.sampling import PoissonSampler
+from widedp.dp.selection import SelectionContext, make_selector
+from widedp.dp.step import dp_step
+from widedp.errors import ConfigError
+from widedp.run import summary as run_summary
+from widedp.run.engines.base import Drawn, Report, StepOutput
+from widedp.run.engines.private import PrivateEngine
+from widedp.tasks.protocol import Built, Task
+
+OPTIMIZERS = ("sgd", "lazy_adam", "adam")
+_STATS = ("rows_selected", "touched_share", "clipped1", "clipped2")
+
+
+class SparseDPEngine(PrivateEngine):
+    """The DP-sparse step (module docstring)."""
+
+    def __init__(self, cfg: Config, out: Path, *, device: torch.device, resumed: bool) -> None:
+        if cfg.train.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer: {cfg.train.optimizer!r} is not available for DP training "
+                              f"(expected one of {', '.join(OPTIMIZERS)})")
+        super().__init__(cfg, out, device=device, resumed=resumed)
+
+    def setup(self, built: Built, task: Task) -> None:
+        cfg = self.cfg
+        self.module = self._model = built.model
+        self.facts = task.privacy(cfg)
+        self._split = built.splits["train"]
+        n = len(self._split)
+        self.grouped = task.units(cfg, self._split, device=self.device)
+        n_dp = self.grouped.num_units if self.grouped is not None else n  # what Poisson sampling draws
+        # The run's privacy plan, all in this one place: the ledger's prefix entries (self.rb.prefix: what is spent
+        # before the first step, today the task's DP vocabulary, drawn by its build with self.prefix_seed; a one-shot
+        # pre-selection, dp.preselect, adds its entry to self.rb here), calibration, the per-step spend, the budget
+        # cap, and the selector every step uses.
+        self._plan(num_rows=self.module.num_rows, n=n_dp)
+        self.selector = make_selector(self.dp.selection, num_rows=self.module.num_rows)
+        self.optimizer = task.row_optimizer(cfg, self.module)
+        b, seed = cfg.train.batch_size, self.seeds.sampling
+        self._sampler: Any = (PoissonSampler(n, sampling_rate=b / n, seed=seed, device=self.device)
+                              if self.grouped is None else
+                              units.UnitPoissonSampler(self.grouped, sampling_rate=b / n_dp, seed=seed,
+                                                       device=self.device))
+        self._stats = torch.zeros(5, device=self.device)
+        if self.grouped is not None or built.notes:
+            self.unit_info = {"privacy_unit": units.privacy_unit(cfg), "n_units": n_dp}
+            if self.grouped is not None:
+                self.unit_info.update({"max_samples_per_unit": self.grouped.cap,
+                                       "samples_dropped_by_cap": self.grouped.dropped})
+            self.unit_info.update(built.notes)
+
+    def start(self) -> dict[str, Any]:
+        return {"n_units": self.n_draw if self.grouped is not None else None, **super().start()}
+
+    def sample(self, step: int) -> Drawn:
+        if self.grouped is None:
+            idx = self._sampler.batch(step)
+            return Drawn(self._split.batch(idx), idx.numel())
+        drawn = self._sampler.draw(step)
+        return Drawn(self._split.batch(drawn.samples), drawn.samples.numel(), drawn)
+
+    def step(self, drawn: Drawn, epoch: int) -> StepOutput:
+        dp, b = self.dp, self.cfg.train.batch_size
+        with torch.inference_mode():
+            loss, grads = self.module.per_sample_row_grads(drawn.batch)
+            if drawn.units is not None:  # one "sample" of the DP step = one unit's summed gradient
+                grads = units.group_rows(grads, drawn.units.segment, num_units=drawn.units.num_units)
+            res = dp_step(grads, batch_size=b, sampling_rate=self.sampling_rate, clip1=dp.clip1, clip2=dp.clip2,
+                          noise_multiplier=dp.noise_multiplier, selector=self.selector,
+                          ctx=SelectionContext(epoch=epoch, num_epochs=self.cfg.train.epochs),
+                          generator=self.noise_gen)
+            self.optimizer.step(res.grad)
+            st = res.stats
+            self._stats += torch.stack([st.touched_share.new_tensor(float(st.rows_selected)), st.touched_share,
+                                        st.clipped1, st.clipped2.to(st.clipped1.dtype),
+                                        st.nonfinite.to(st.clipped1.dtype)])
+        self.ledger.add(res.spend)
+        return StepOutput(torch.where(torch.isfinite(loss), loss, 0.0).sum())  # a non-finite sample counts 0
+
+    def interval_stats(self, steps: int, step: int) -> dict[str, Any]:
+        s = (self._stats / steps).tolist()
+        self._stats.zero_()
+        return {**dict(zip(_STATS, s)), **self._nonfinite_stats(int(round(s[4] * steps)), step)}
+
+    def eval_model(self) -> Any:
+        return self._model
+
+    def state_dict(self) -> dict[str, Any]:
+        # (the journal is written ahead of each interval, never lowered at a checkpoint)
+        return {"optimizer": self.optimizer.state_dict(), "ledger": self.ledger.to_json()}
+
+    def load_state_dict(self, ckpt: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        states = rng.load_states(self.out, ckpt["step"]) if self.replayable else None
+        if states is not None:
+            self.noise_gen.set_state(states["noise"])
+        self.ledger = self._resumed_ledger(ckpt, replayable=states is not None)
+
+    def save_private(self, step: int) -> None:
+        rng.save_states(self.out, step, {"noise": self.noise_gen.get_state()})
+
+    def report(self, *, stopped: bool) -> Report:
+        dp = self.dp
+        st = run_summary.run_statement(self.facts, dp, self.ledger, private_rng=self.seeds.private, rb=self.rb)
+        eps_rdp = run_summary.epoch_epsilons(dp, self.ledger, self.rb).get("epsilon_rdp", 0.0)
+        section = self._dp_summary(stopped=stopped)
+        section.update(epsilon=st.epsilon, epsilon_rdp=eps_rdp)
+        return Report(st, section, run_summary.plot_title(dp, st))

@@ -1,0 +1,67 @@
+"""``widedp epsilon CONFIG``: the privacy a config would spend over its whole run, as JSON, without training.
+
+It makes the privacy plan a run makes (``run_budget.plan``: the prefix, calibration, the per-step spend, the budget
+cap) from the task's n, rows and units (``widedp.tasks.Task.shape``), so the figure is the one the run reports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from widedp import accounting
+from widedp.accounting.statement import for_run
+from widedp.config import Config
+from widedp.dp import units
+from widedp.errors import ConfigError
+from widedp.run import budget, run_budget
+from widedp.tasks import AlgorithmTask, get_task
+
+
+def epsilon_report(cfg: Config) -> dict[str, Any]:
+    """What ``cfg`` would spend (``epsilon``: everything, at ``dp.delta``), its settings, and ``privacy``: the
+    statement the run would make. With privacy units or a DP vocabulary also ``n_units``, ``privacy_unit``, ...,
+    ``epsilon_training_only`` (the steps alone) and ``vocabulary``."""
+    task = get_task(cfg.task)
+    if isinstance(task, AlgorithmTask):
+        return task.epsilon_report(cfg)
+    if cfg.dp is None:
+        raise ConfigError("epsilon: the config has no dp: section (non-private training spends no budget)")
+    rb = run_budget.for_config(cfg)
+    shape = task.shape(cfg)
+    grouped = task.units(cfg, shape.train, device="cpu")
+    n_units = grouped.num_units if grouped is not None else shape.n
+    plan = run_budget.plan(cfg, rb, num_rows=shape.num_rows, n=n_units)
+    dp, b = plan.dp, cfg.train.batch_size
+    steps = budget.total_steps(cfg, n_units)
+    if plan.cap is not None:
+        steps = min(steps, plan.cap)
+    rep = accounting.report(plan.spend, steps=steps, delta=rb.accounting_delta(dp.delta), accountant=dp.accountant)
+    rep.update({"n_train": shape.n, "batch_size": b, "selection": dp.selection.name,
+                "selection_epsilon": getattr(dp.selection, "epsilon", None), "budget_steps": plan.cap})
+    if not units.is_per_sample(cfg) or rb.prefix:
+        rep.update({"n_units": n_units, "privacy_unit": units.privacy_unit(cfg),
+                    "batch_size_unit": "units" if not units.is_per_sample(cfg) else "samples", **shape.notes})
+    if not units.is_per_sample(cfg):
+        rep["max_samples_per_unit"] = cfg.data.max_samples_per_unit
+    if rb.prefix:
+        _with_prefix(rep, cfg, plan, steps)
+    st = for_run(task.privacy(cfg), epsilon=rep["epsilon"], delta=dp.delta, accountant=dp.accountant,
+                 private_rng=dp.rng == "secure")
+    return {"privacy": st.text} | rep
+
+
+def _with_prefix(rep: dict[str, Any], cfg: Config, plan: run_budget.DPPlan, steps: int) -> None:
+    """The DP vocabulary composed with the steps: ``epsilon`` covers both, ``epsilon_training_only`` the steps."""
+    rb, dp = plan.rb, plan.dp
+    rep["epsilon_training_only"] = rep["epsilon"]
+    for key, acct in (("epsilon_pld", "pld"), ("epsilon_rdp", "rdp")):
+        rep[key] = run_budget.composed_epsilon(rb, dp, [(plan.spend, steps)], acct)
+    rep["epsilon"] = rep["epsilon_pld"] if dp.accountant == "pld" else rep["epsilon_rdp"]
+    rep["delta"] = dp.delta
+    v = cfg.data.vocab_dp
+    rep["vocabulary"] = {"mechanism": "Gaussian partition selection (widedp.dp.vocab)", "sampling_rate": 1.0,
+                         "noise_multiplier": v.noise_multiplier, "sensitivity": 1.0,
+                         "max_words_per_unit": v.max_words_per_unit, "threshold_delta": v.delta,
+                         "epsilon_alone": run_budget.composed_epsilon(rb, dp, []),
+                         "accounting": f"ledger eps at delta - {v.delta:g} (vocabulary Gaussian + steps) "
+                                       f"+ ln(1/(1 - {v.delta:g}))"}
