@@ -10,8 +10,8 @@ chunk draws included, over the steps), the peak RSS over the process's RSS befor
 tensor storage one chunk's batches keep alive. ``old`` is the sampler before issue 17: a step whose i.i.d. ids
 collide was redrawn as ``randperm(n)[:m]``, a slice that keeps the whole n-long permutation alive.
 ``--job STEPS`` also runs the README's default job (``widedp train configs/brown_cbow_sparse_exp.yaml``: n=200K,
-b=1000) for STEPS steps with each sampler (``widedp.run.train.PoissonSampler`` replaced by the old one), in its own
-subprocess: peak RSS, the process's CPU seconds (user + system) and the summary's training samples/s.
+b=1000) for STEPS steps with each sampler (``widedp.run.engines.sparse.PoissonSampler`` replaced by the old one),
+in its own subprocess: peak RSS, the process's CPU seconds (user + system) and the summary's training samples/s.
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ def one_case(impl: str, n: int, b: int, steps: int) -> dict:
 def one_job(impl: str, steps: int, out: str) -> dict:
     """Runs inside a subprocess: the default job through the CLI, for ``steps`` steps."""
     from widedp.cli import main as cli_main
-    from widedp.run import train
+    from widedp.run.engines import sparse as engine
 
     if impl == "old":
-        train.PoissonSampler = OldPoissonSampler  # type: ignore[misc]
+        engine.PoissonSampler = OldPoissonSampler  # type: ignore[misc]
     t0 = time.perf_counter()
     rc = cli_main(["train", str(ROOT / "configs" / "brown_cbow_sparse_exp.yaml"), "--out", out, "--overwrite",
                    "--no-progress", "--set", f"train.max_steps={steps}", "--set", f"data.cache_dir={OUT / 'cache'}"])
