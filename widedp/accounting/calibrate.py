@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from widedp.accounting.accountant import Accountant, _check, compose_epsilon, noise_part, selection_part
 from widedp.accounting.parts import costs_of
@@ -46,6 +47,30 @@ def _illinois_step(lo: float, hi: float, f_lo: float, f_hi: float) -> float:
     if math.isfinite(f_lo) and math.isfinite(f_hi) and f_hi != f_lo:
         return lo - f_lo * (hi - lo) / (f_hi - f_lo)
     return 0.5 * (lo + hi)
+
+
+@dataclass
+class _Bracket:
+    """An Illinois (modified regula falsi) bracket [lo, hi] with g(lo) good, g(hi) bad: a new point replaces the end
+    of its side, and when the same side moves twice in a row the other end's g is halved (no stalled end)."""
+
+    lo: float
+    hi: float
+    g_lo: float
+    g_hi: float
+    side: int = 0
+
+    def update(self, x: float, g_x: float, *, good: bool) -> None:
+        if good:
+            self.lo, self.g_lo = x, g_x
+            if self.side == -1:
+                self.g_hi /= 2.0
+            self.side = -1
+        else:
+            self.hi, self.g_hi = x, g_x
+            if self.side == 1:
+                self.g_lo /= 2.0
+            self.side = 1
 
 
 def _solve(
@@ -110,24 +135,15 @@ def _solve(
                 lo, g_lo = u, g_u
                 break
             hi, g_hi, step = u, g_u, 2 * step
-    side = 0
+    br = _Bracket(lo, hi, g_lo, g_hi)
     for _ in range(_MAX_ITER):
-        if done(lo) or cache[math.exp(sign * lo)] <= target and hi - lo < 1e-12:
+        if done(br.lo) or cache[math.exp(sign * br.lo)] <= target and br.hi - br.lo < 1e-12:
             break
-        u = _illinois_step(lo, hi, g_lo, g_hi)
-        u = min(max(u, lo + 1e-3 * (hi - lo)), hi - 1e-3 * (hi - lo))
+        u = _illinois_step(br.lo, br.hi, br.g_lo, br.g_hi)
+        u = min(max(u, br.lo + 1e-3 * (br.hi - br.lo)), br.hi - 1e-3 * (br.hi - br.lo))
         g_u = g(u)
-        if cache[math.exp(sign * u)] <= target:
-            lo, g_lo = u, g_u
-            if side == -1:
-                g_hi /= 2.0
-            side = -1
-        else:
-            hi, g_hi = u, g_u
-            if side == 1:
-                g_lo /= 2.0
-            side = 1
-    return math.exp(sign * lo)
+        br.update(u, g_u, good=cache[math.exp(sign * u)] <= target)
+    return math.exp(sign * br.lo)
 
 
 def _rdp_start(solver: Callable[..., float], x_default: float, accountant: str, **kw: object) -> float:
@@ -139,31 +155,30 @@ def _rdp_start(solver: Callable[..., float], x_default: float, accountant: str, 
         return x_default
 
 
-def calibrate_noise_multiplier(
-    make_step: Callable[[float], StepSpend],
-    *,
-    steps: int,
-    delta: float,
-    target_epsilon: float,
-    accountant: Accountant = "pld",
-    tolerance: float = 0.01,
-    prefix: Prefix = (),
-) -> float:
+def _fixed_part_eps(step: StepSpend, steps: int, delta: float, accountant: Accountant, prefix: Prefix,
+                    target: float, what: str, advice: str) -> float:
+    """eps of the part calibration holds fixed; a ConfigError when it alone reaches the target (no solution)."""
+    _check(delta, accountant)
+    if not target > 0:
+        raise ConfigError(f"dp.target_epsilon: must be > 0, got {target}")
+    eps = _eps(step, steps, delta, accountant, prefix)
+    if eps >= target:
+        raise ConfigError(f"dp.target_epsilon: {target:g} is infeasible: {what} eps = {eps:.4g} over {steps} steps "
+                          f"at delta={delta:g} ({accountant}){' ' if advice[0] != ';' else ''}{advice}")
+    return eps
+
+
+def calibrate_noise_multiplier(make_step: Callable[[float], StepSpend], *, steps: int, delta: float,
+                               target_epsilon: float, accountant: Accountant = "pld", tolerance: float = 0.01,
+                               prefix: Prefix = ()) -> float:
     """sigma with eps(make_step(sigma), steps) in [(1 - tolerance) target, target] (so eps <= target).
 
     The selection (everything but the Gaussian parts of ``make_step(sigma)``) is held fixed. Raises ConfigError when
     the selection alone already spends >= target (no sigma can reach it).
     """
-    _check(delta, accountant)
-    if not target_epsilon > 0:
-        raise ConfigError(f"dp.target_epsilon: must be > 0, got {target_epsilon}")
-    sel_eps = _eps(selection_part(make_step(1.0)), steps, delta, accountant, prefix)
-    if sel_eps >= target_epsilon:
-        raise ConfigError(
-            f"dp.target_epsilon: {target_epsilon:g} is infeasible: the selection alone already spends eps = "
-            f"{sel_eps:.4g} over {steps} steps at delta={delta:g} ({accountant}) even with infinite noise; "
-            "lower the selection's epsilon or raise the target"
-        )
+    sel_eps = _fixed_part_eps(selection_part(make_step(1.0)), steps, delta, accountant, prefix, target_epsilon,
+                              "the selection alone already spends", "even with infinite noise; lower the selection's "
+                              "epsilon or raise the target")
     kw = dict(make_step=make_step, steps=steps, delta=delta, target_epsilon=target_epsilon, prefix=prefix)
     x0 = _rdp_start(calibrate_noise_multiplier, 1.0, accountant, **kw)
     return _solve(
@@ -172,32 +187,17 @@ def calibrate_noise_multiplier(
     )
 
 
-def calibrate_selection_epsilon(
-    make_step: Callable[[float], StepSpend],
-    *,
-    steps: int,
-    delta: float,
-    target_epsilon: float,
-    accountant: Accountant = "pld",
-    tolerance: float = 0.01,
-    max_epsilon: float = 100.0,
-    prefix: Prefix = (),
-) -> float:
+def calibrate_selection_epsilon(make_step: Callable[[float], StepSpend], *, steps: int, delta: float,
+                                target_epsilon: float, accountant: Accountant = "pld", tolerance: float = 0.01,
+                                max_epsilon: float = 100.0, prefix: Prefix = ()) -> float:
     """Selection epsilon x (e.g. eps'' per pick) with eps(make_step(x), steps) in [(1 - tolerance) target, target],
     sigma held fixed; ``max_epsilon`` when even that stays below the target.
 
     Raises ConfigError when the noise alone already spends >= target.
     """
-    _check(delta, accountant)
-    if not target_epsilon > 0:
-        raise ConfigError(f"dp.target_epsilon: must be > 0, got {target_epsilon}")
-    noise_eps = _eps(noise_part(make_step(1.0)), steps, delta, accountant, prefix)
-    if noise_eps >= target_epsilon:
-        raise ConfigError(
-            f"dp.target_epsilon: {target_epsilon:g} is infeasible: the Gaussian noise alone already spends eps = "
-            f"{noise_eps:.4g} over {steps} steps at delta={delta:g} ({accountant}); raise dp.noise_multiplier or "
-            "the target"
-        )
+    noise_eps = _fixed_part_eps(noise_part(make_step(1.0)), steps, delta, accountant, prefix, target_epsilon,
+                                "the Gaussian noise alone already spends", "; raise dp.noise_multiplier or the "
+                                "target")
     kw = dict(make_step=make_step, steps=steps, delta=delta, target_epsilon=target_epsilon, max_epsilon=max_epsilon,
               prefix=prefix)
     # Default start 1/(number of selection mechanisms): large totals make wide (slow) PLD grids.
@@ -252,22 +252,13 @@ def max_steps(
                 lo = t
                 break
             hi, factor = t, factor**2
-    g_lo, g_hi, side = g(lo), g(hi), 0
-    while hi - lo > 1:
-        if hi - lo <= 4:
-            t = (lo + hi) // 2
+    br = _Bracket(lo, hi, g(lo), g(hi))
+    while br.hi - br.lo > 1:
+        if br.hi - br.lo <= 4:
+            t = (br.lo + br.hi) // 2
         else:
-            u = _illinois_step(math.log(lo), math.log(hi), g_lo, g_hi)
-            t = min(max(int(round(math.exp(u))), lo + 1), hi - 1)
+            u = _illinois_step(math.log(br.lo), math.log(br.hi), br.g_lo, br.g_hi)
+            t = min(max(int(round(math.exp(u))), br.lo + 1), br.hi - 1)
         g_t = g(t)
-        if g_t <= 0:
-            lo, g_lo = t, g_t
-            if side == -1:
-                g_hi /= 2.0
-            side = -1
-        else:
-            hi, g_hi = t, g_t
-            if side == 1:
-                g_lo /= 2.0
-            side = 1
-    return lo
+        br.update(t, g_t, good=g_t <= 0)
+    return int(br.lo)

@@ -81,6 +81,13 @@ class Costs:
         return Costs(self.q, None, self.bounded_range, self.pure, self.selection_sigma)
 
 
+def _inverse_variance(key: str, s: float) -> float:
+    """1/σ² of a Gaussian part (0 for σ = inf: no noise budget spent); σ must be > 0."""
+    if not (isinstance(s, (int, float)) and s > 0):
+        raise ConfigError(f"{key}: must be > 0, got {s!r}")
+    return 1.0 / float(s) ** 2 if math.isfinite(s) else 0.0
+
+
 def _check_eps(name: str, eps: float) -> None:
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
         raise ConfigError(f"{name}: must be a finite number >= 0, got {eps!r}")
@@ -103,17 +110,9 @@ def costs_of(step: StepSpend) -> Costs:
     pure: dict[float, int] = {}
     for part in step.parts:
         if isinstance(part, GaussianSpend):
-            s = part.noise_multiplier
-            if not (isinstance(s, (int, float)) and s > 0):
-                raise ConfigError(f"noise_multiplier: must be > 0, got {s!r}")
-            if math.isfinite(s):
-                inv_var += 1.0 / float(s) ** 2
+            inv_var += _inverse_variance("noise_multiplier", part.noise_multiplier)
         elif isinstance(part, GaussianSelectionSpend):
-            s = part.noise_multiplier
-            if not (isinstance(s, (int, float)) and s > 0):
-                raise ConfigError(f"selection noise_multiplier: must be > 0, got {s!r}")
-            if math.isfinite(s):
-                inv_var_sel += 1.0 / float(s) ** 2
+            inv_var_sel += _inverse_variance("selection noise_multiplier", part.noise_multiplier)
         elif isinstance(part, ExponentialSpend):
             _check_eps("exponential epsilon", part.epsilon)
             _check_count("exponential picks", part.picks)

@@ -98,31 +98,31 @@ class TrainConfig:
             the last epoch's; the summary names the epoch kept.
     """
 
+    # how long, how big
     epochs: int = 20
     batch_size: int = 20
+    max_steps: int = 0
+    # the optimizer
     optimizer: Literal["sgd", "adam", "sparse_adam", "lazy_adam"] = "adam"
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    # where it runs
     seed: int = 0
     device: str = "auto"
     threads: int = 1
+    # logging, evaluation, checkpoints
     log_every: int = 1000
     checkpoint_every: int = 0
     eval_batch_size: int = 4096
-    max_steps: int = 0
     eval_max_samples: int = 0
     keep_best: bool = False
 
     def __post_init__(self) -> None:
-        positive("train.epochs", self.epochs)
-        positive("train.batch_size", self.batch_size)
-        positive("train.lr", self.lr)
-        positive("train.log_every", self.log_every)
-        positive("train.eval_batch_size", self.eval_batch_size)
-        nonneg("train.checkpoint_every", self.checkpoint_every)
-        nonneg("train.max_steps", self.max_steps)
-        nonneg("train.threads", self.threads)
+        for key in ("epochs", "batch_size", "lr", "log_every", "eval_batch_size"):
+            positive(f"train.{key}", getattr(self, key))
+        for key in ("checkpoint_every", "max_steps", "threads"):
+            nonneg(f"train.{key}", getattr(self, key))
         nonneg("train.eval_max_samples", self.eval_max_samples)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from widedp.config.tools import data_cache_key
+from widedp.config.tools import data_cache_key, nonneg, positive
 from widedp.errors import ConfigError
 
 DATA_PRESETS: dict[str, dict[str, Any]] = {
@@ -56,16 +56,19 @@ class GLMDataConfig:
 
     preset: Literal["brown_glm", "custom"] = "brown_glm"
     corpus: str = "brown"
+    # documents -> chunks -> features
     chunk_tokens: int = 100
     min_chunk_tokens: int = 50
     vocab_size: int = 2000
     weighting: Literal["tf", "log", "binary"] = "log"
     norm: Literal["l2", "l1"] = "l2"
     bias_feature: float = 1.0
+    # labels and splits
     labels: Literal["category", "group"] = "category"
     splits: tuple[float, float, float] = (0.6, 0.2, 0.2)
     split_by: Literal["document", "chunk"] = "document"
     seed: int = 0
+    # tokens kept (as the cbow task's)
     lowercase: bool = True
     alpha_only: bool = True
     remove_stopwords: bool = True
@@ -73,14 +76,9 @@ class GLMDataConfig:
     cache_dir: str = ".cache/widedp"
 
     def __post_init__(self) -> None:
-        for key in ("vocab_size",):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"data.{key}: must be > 0, got {getattr(self, key)}")
-        for key in ("chunk_tokens", "min_chunk_tokens", "max_docs"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"data.{key}: must be >= 0, got {getattr(self, key)}")
-        if self.bias_feature < 0:
-            raise ConfigError(f"data.bias_feature: must be >= 0, got {self.bias_feature}")
+        positive("data.vocab_size", self.vocab_size)
+        for key in ("chunk_tokens", "min_chunk_tokens", "max_docs", "bias_feature"):
+            nonneg(f"data.{key}", getattr(self, key))
         if any(s < 0 for s in self.splits) or sum(self.splits) > 1 + 1e-9 or self.splits[0] <= 0:
             raise ConfigError(f"data.splits: need fractions >= 0 summing to <= 1 with a non-empty train split, got "
                               f"{list(self.splits)}")
@@ -159,28 +157,34 @@ class GLMAlgorithmConfig:
     delta: float = 1e-5
     accountant: Literal["pld", "rdp"] = "pld"
     rng: Literal["secure", "reproducible"] = "secure"
+    # gradient methods (dpsgd, dp_agd, sparse_mean_gd, numeric_sparse)
     iterations: int | None = None
     lr: float | None = None
     clip: float | None = None
     batch_size: int | None = None
+    # dp_agd's adaptive step
     loss_clip: float | None = None
     nmax_share: float | None = None
     gamma: float | None = None
     step_candidates: int | None = None
     step_max: float | None = None
     step_window: int | None = None
+    # frank_wolfe
     radius: float | None = None
     step: float | None = None
     noise: Literal["laplace", "gumbel"] | None = None
     first_batch_fraction: float | None = None
+    # output_perturbation, nonprivate
     l2_reg: float | None = None
     mechanism: Literal["gaussian", "laplace"] | None = None
     sparsity: int | None = None
     solver_iterations: int | None = None
+    # sparse_mean_gd
     estimator: Literal["gaussian", "projection", "l1_recovery"] | None = None
     l1_radius: float | None = None
     block_size: int | None = None
     measurement_ratio: float | None = None
+    # numeric_sparse
     cutoff: int | None = None
     threshold_scale: float | None = None
     release_share: float | None = None

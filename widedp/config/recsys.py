@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from widedp.config.tools import check_splits, data_cache_key
+from widedp.config.tools import check_splits, data_cache_key, nonneg, positive
 from widedp.errors import ConfigError
 
 #: Named data presets; explicit ``data:`` keys override them. The first one is the default.
@@ -69,6 +69,7 @@ class RecsysDataConfig:
     source: str = "synthetic"
     columns: tuple[str, str, str, str] = ("userId", "movieId", "rating", "timestamp")
     hf_split: str = "train"
+    # the synthetic generator
     num_users: int = 1000
     num_items: int = 5000
     num_interactions: int = 100_000
@@ -79,6 +80,7 @@ class RecsysDataConfig:
     tags_per_item: int = 2
     num_tags: int = 50
     time_feature: bool = True
+    # labels, splits, caching, privacy unit
     label_threshold: float = 4.0
     splits: tuple[float, ...] = (0.8, 0.1, 0.1)
     seed: int = 0
@@ -88,16 +90,11 @@ class RecsysDataConfig:
     max_samples_per_unit: int = 256
 
     def __post_init__(self) -> None:
-        if not self.max_samples_per_unit > 0:
-            raise ConfigError(f"data.max_samples_per_unit: must be > 0, got {self.max_samples_per_unit}")
-        for key in ("num_users", "num_items", "num_interactions", "latent_dim", "context_cardinality", "num_tags"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"data.{key}: must be > 0, got {getattr(self, key)}")
-        for key in ("num_context_features", "tags_per_item", "max_interactions"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"data.{key}: must be >= 0, got {getattr(self, key)}")
-        if self.popularity_exponent < 0:
-            raise ConfigError(f"data.popularity_exponent: must be >= 0, got {self.popularity_exponent}")
+        for key in ("max_samples_per_unit", "num_users", "num_items", "num_interactions", "latent_dim",
+                    "context_cardinality", "num_tags"):
+            positive(f"data.{key}", getattr(self, key))
+        for key in ("num_context_features", "tags_per_item", "max_interactions", "popularity_exponent"):
+            nonneg(f"data.{key}", getattr(self, key))
         check_splits(self.splits)
         if any(not c for c in self.columns[:3]):
             raise ConfigError(f"data.columns: user, item and rating column names must be non-empty, "

@@ -142,6 +142,7 @@ class SparseVectorSelectionConfig:
     cutoff: int = 1
     threshold_fraction: float = 0.5
     score_clip: float = 0.1
+    # NumericSparse: also release the noisy values
     release_values: bool = False
     epsilon_release: float = 0.0
     method: Literal["sparse", "brute"] = "sparse"
