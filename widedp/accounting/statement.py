@@ -91,7 +91,15 @@ def unit_and_gaps(cfg: Any) -> tuple[str, tuple[str, ...]]:
 
 
 def includes(cfg: Any) -> tuple[str, ...]:
-    """What ε covers besides the training steps: the DP vocabulary, or a public word list (nothing to cover)."""
+    """What ε covers besides the training steps: the DP vocabulary (or a public word list: nothing to cover) and the
+    one-shot row pre-selection."""
+    pre = getattr(cfg.dp, "preselect", None) if cfg.dp is not None else None
+    extra = () if pre is None else (f"the one-shot row pre-selection: Gaussian, σ={pre.sigma:g} on ℓ2-normalised "
+                                    f"contribution counts, ≤ {pre.rows} rows kept (only they are ever updated)",)
+    return _vocabulary_includes(cfg) + extra
+
+
+def _vocabulary_includes(cfg: Any) -> tuple[str, ...]:
     vocabulary = getattr(cfg.data, "vocabulary", "private_top") if cfg.task == "cbow" else "private_top"
     if vocabulary == "dp" and cfg.dp is not None:
         v = cfg.data.vocab_dp

@@ -85,6 +85,11 @@ def _write_private(path: Path, data: bytes) -> None:
         raise
 
 
+def save_private(run_dir: Path, name: str, data: bytes) -> None:
+    """Write ``run_dir/private/name`` (0600, atomically): e.g. the run's pre-selected rows."""
+    _write_private(private_dir(run_dir) / name, data)
+
+
 def save_seeds(run_dir: Path, seeds: RunSeeds) -> None:
     _write_private(private_dir(run_dir) / SEEDS_FILE, json.dumps(asdict(seeds)).encode())
 

@@ -46,11 +46,9 @@ from widedp.run.checkpoint import read_json, write_json
 
 JOURNAL = "spent.json"
 
-#: Set once ``widedp.run.train`` runs ``dp.preselect`` (``widedp.dp.selection.preselect``) and charges it before
-#: the first step
-#: (``preselect_runs``, e.g. as a ``run_budget.RunBudget`` prefix); until then a config with ``dp.preselect`` is
-#: refused (by ``calibrated``, on every training and ``widedp epsilon`` path) rather than trained without it.
-PRESELECT_WIRED = False
+#: ``widedp.run.train`` runs ``dp.preselect`` (``widedp.run.preselect_setup``) and charges it before the first step
+#: (``preselect_runs``: a ``run_budget.RunBudget`` prefix entry); False would refuse such configs (``calibrated``).
+PRESELECT_WIRED = True
 
 
 def selection_k(k: int | None, gamma: float | None, num_rows: int) -> int:

@@ -5,8 +5,10 @@ The DP vocabulary (``widedp.dp.vocab``) is recorded in the run's ledger as one s
 part is its Gaussian (noise multiplier sigma_v, sensitivity 1): ``RunBudget.prefix``. Its threshold adds
 delta_tau (``data.vocab_dp.delta``) that no ledger entry carries, so every epsilon of such a run is
 ``eps_ledger(dp.delta - delta_tau) + ln(1 / (1 - delta_tau))`` at the run's ``dp.delta`` (why that is valid: the
-``widedp.dp.vocab`` docstring). Calibration and the budget stop solve for that same figure. Runs without a DP
-vocabulary go through ``widedp.run.budget`` unchanged.
+``widedp.dp.vocab`` docstring). Calibration and the budget stop solve for that same figure. The one-shot row
+pre-selection (``dp.preselect``, ``widedp.dp.selection.preselect``; run by ``widedp.run.preselect_setup``) is a
+prefix entry too: one Gaussian (sigma_pre, sensitivity 1) at sampling rate 1, after the vocabulary's. Runs with
+neither go through ``widedp.run.budget`` unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from widedp import accounting
 from widedp.accounting.pld import PLDRangeError
-from widedp.config import Config, DPConfig
+from widedp.config import Config, DPConfig, GaussianThresholdSelectionConfig
 from widedp.dp import units
 from widedp.dp.spend import StepSpend
 from widedp.errors import ConfigError
@@ -28,10 +30,11 @@ from widedp.run import budget
 @dataclass(frozen=True)
 class RunBudget:
     """prefix: steps recorded before the first training step (each once); threshold_delta: delta spent outside the
-    ledger (the vocabulary's threshold)."""
+    ledger (the vocabulary's threshold); vocabulary: the run draws a DP vocabulary (its entry is ``prefix[0]``)."""
 
     prefix: tuple[StepSpend, ...] = ()
     threshold_delta: float = 0.0
+    vocabulary: bool = False
 
     @property
     def prefix_steps(self) -> int:
@@ -51,10 +54,14 @@ class RunBudget:
 
 
 def for_config(cfg: Config) -> RunBudget:
-    """The run budget of ``cfg`` (empty unless a cbow config with ``data.vocabulary: dp`` and a dp: section)."""
-    if cfg.dp is None or cfg.task != "cbow" or getattr(cfg.data, "vocabulary", "") != "dp":
+    """The run budget of ``cfg`` (empty unless a dp: section with ``dp.preselect``, or a cbow config with
+    ``data.vocabulary: dp``)."""
+    if cfg.dp is None:
         return RunBudget()
-    rb = RunBudget((budget.vocabulary_spend(cfg.data.vocab_dp),), cfg.data.vocab_dp.delta)
+    pre = tuple(step for step, _ in budget.preselect_runs(cfg.dp))
+    if cfg.task != "cbow" or getattr(cfg.data, "vocabulary", "") != "dp":
+        return RunBudget(pre)
+    rb = RunBudget((budget.vocabulary_spend(cfg.data.vocab_dp), *pre), cfg.data.vocab_dp.delta, vocabulary=True)
     rb.accounting_delta(cfg.dp.delta)  # refuse a threshold delta >= dp.delta early
     return rb
 
@@ -90,28 +97,38 @@ def calibrated(cfg: Config, *, num_rows: int, n: int, rb: RunBudget) -> DPConfig
     target = dp.target_epsilon
     assert target is not None
     if _eps(rb, dp, []) >= target:
-        raise ConfigError(f"dp.target_epsilon: {target:g} is infeasible: the DP vocabulary alone spends "
-                          f"{_eps(rb, dp, []):.4g}; raise data.vocab_dp.noise_multiplier or the target")
+        raise ConfigError(f"dp.target_epsilon: {target:g} is infeasible: {_prefix_what(rb)} alone spends "
+                          f"{_eps(rb, dp, []):.4g}; raise its noise multiplier or the target")
     if dp.calibrate == "noise_multiplier":
         def make(x: float) -> DPConfig:
             return replace(dp, noise_multiplier=x)
         increasing = False
+    elif isinstance(dp.selection, GaussianThresholdSelectionConfig):  # its parameter is 1/sigma_sel
+        def make(x: float) -> DPConfig:
+            return replace(dp, selection=replace(dp.selection, sigma=1.0 / x))
+        increasing = True
     elif hasattr(dp.selection, "epsilon"):
         def make(x: float) -> DPConfig:
             return replace(dp, selection=replace(dp.selection, epsilon=x))
         increasing = True
     else:
-        raise ConfigError(f"dp.calibrate: selection_epsilon with a DP vocabulary needs a selection with an epsilon, "
-                          f"not {dp.selection.name!r}")
+        raise ConfigError(f"dp.calibrate: selection_epsilon with {_prefix_what(rb)} needs a selection with an "
+                          f"epsilon, not {dp.selection.name!r}")
     # start from the training-only answer (at the ledger's delta): the joint eps is a little above the target there
-    dp0 = budget.calibrated(replace(cfg, dp=replace(dp, delta=rb.accounting_delta(dp.delta))), num_rows=num_rows,
-                            n=n)
-    x0 = dp0.selection.epsilon if increasing else dp0.noise_multiplier
+    dp0 = budget.calibrated(replace(cfg, dp=replace(dp, delta=rb.accounting_delta(dp.delta), preselect=None)),
+                            num_rows=num_rows, n=n)
+    gt = isinstance(dp.selection, GaussianThresholdSelectionConfig)
+    x0 = dp0.noise_multiplier if not increasing else (1.0 / dp0.selection.sigma if gt else dp0.selection.epsilon)
 
     def f(x: float) -> float:
         return _eps(rb, dp, [(budget.step_spend(make(x), num_rows=num_rows, batch_size=b, n=n), steps)])
 
     return make(_solve(f, target, x0=x0, increasing=increasing))
+
+
+def _prefix_what(rb: RunBudget) -> str:
+    what = ["the DP vocabulary"] if rb.vocabulary else []
+    return " and ".join(what + ["the row pre-selection"] * (len(rb.prefix) > len(what)))
 
 
 def _solve(f: Callable[[float], float], target: float, *, x0: float, increasing: bool, tol: float = 0.01) -> float:
@@ -134,7 +151,7 @@ def _solve(f: Callable[[float], float], target: float, *, x0: float, increasing:
                 break
             x = x / up
     if good is None or bad is None:
-        raise ConfigError(f"calibration: no value reaches eps <= {target:g} with the DP vocabulary")
+        raise ConfigError(f"calibration: no value reaches eps <= {target:g} with what is spent before the first step")
     for _ in range(60):
         mid = math.sqrt(good * bad)
         v = f(mid)
@@ -206,8 +223,9 @@ def train_units_of(cfg: Config) -> tuple[int, int, int, dict[str, Any]]:
 
 
 def epsilon_report(cfg: Config) -> dict[str, Any]:
-    """``widedp epsilon`` for a config with privacy units or a DP vocabulary: everything the run would spend
-    (``epsilon``: vocabulary + training at ``dp.delta``; ``epsilon_training_only``: the steps alone)."""
+    """``widedp epsilon`` for a config with privacy units, a DP vocabulary or a row pre-selection: everything the run
+    would spend (``epsilon``: vocabulary + pre-selection + training at ``dp.delta``; ``epsilon_training_only``: the
+    steps alone)."""
     assert cfg.dp is not None
     rb = for_config(cfg)
     n_units, n, num_rows, notes = train_units_of(cfg)
@@ -232,11 +250,17 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
             rep[key] = _eps(rb, dp, [(step, steps)], acct)
         rep["epsilon"] = rep["epsilon_pld"] if dp.accountant == "pld" else rep["epsilon_rdp"]
         rep["delta"] = dp.delta
+        if dp.preselect is not None:
+            rep["preselect"] = {"mechanism": "one-shot Gaussian row pre-selection (widedp.dp.selection.preselect)",
+                                "sampling_rate": 1.0, "noise_multiplier": dp.preselect.sigma, "sensitivity": 1.0,
+                                "rows": dp.preselect.rows, "threshold": dp.preselect.tau,
+                                "epsilon_alone": _eps(RunBudget(rb.prefix[-1:]), dp, [])}
+    if rb.vocabulary:
         v = cfg.data.vocab_dp
         rep["vocabulary"] = {"mechanism": "Gaussian partition selection (widedp.dp.vocab)", "sampling_rate": 1.0,
                              "noise_multiplier": v.noise_multiplier, "sensitivity": 1.0,
                              "max_words_per_unit": v.max_words_per_unit, "threshold_delta": v.delta,
-                             "epsilon_alone": _eps(rb, dp, []),
+                             "epsilon_alone": _eps(replace(rb, prefix=rb.prefix[:1]), dp, []),
                              "accounting": f"ledger eps at delta - {v.delta:g} (vocabulary Gaussian + steps) "
                                            f"+ ln(1/(1 - {v.delta:g}))"}
     return rep

@@ -31,7 +31,7 @@ from widedp.dp.sampling import PoissonSampler, ShuffledBatches
 from widedp.dp.selection import SelectionContext, make_selector
 from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
-from widedp.run import budget, run_budget, rundir
+from widedp.run import budget, preselect_setup, run_budget, rundir
 from widedp.run import summary as run_summary
 from widedp.run.checkpoint import load_checkpoint, save_checkpoint, write_json
 from widedp.run.plots import plot_losses
@@ -113,6 +113,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
     if ckpt is not None and ckpt["config_hash"] != cfg.hash():
         raise ConfigError(f"{out}: checkpoint was written by a different config (hash {ckpt['config_hash']})")
 
+    preselect_setup.check_supported(cfg)
     if cfg.task == "cbow" and cfg.dp is not None and cfg.dp.engine == "opacus":
         if not units.is_per_sample(cfg) or cfg.data.vocabulary == "dp":
             raise ConfigError("dp.engine: opacus trains per (target, context) pair with the top-V or a file "
@@ -127,7 +128,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
     rb = run_budget.for_config(cfg)
     release = None
     if cfg.task == "cbow":
-        data, release = cbow_data(cfg, out, data=data, noise_seed=seeds.noise if rb.prefix else None)
+        data, release = cbow_data(cfg, out, data=data, noise_seed=seeds.noise if rb.vocabulary else None)
     splits, model = _resolve(TASK_BUILDERS[cfg.task])(cfg, out, device=device, data=data)
     train_split, n = splits["train"], len(splits["train"])
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -136,7 +137,9 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
     if dp is not None:
         dp = run_budget.calibrated(cfg, num_rows=model.num_rows, n=n_dp, rb=rb)
         spend = budget.step_spend(dp, num_rows=model.num_rows, batch_size=b, n=n_dp)
-        selector = make_selector(dp.selection, num_rows=model.num_rows)
+        pre = preselect_setup.setup(cfg, out, model=model, split=train_split, grouped=grouped, noise_seed=seeds.noise,
+                                    resume=ckpt is not None)  # dp.preselect: once, before the first step
+        selector = preselect_setup.restrict_selector(make_selector(dp.selection, num_rows=model.num_rows), pre)
         optimizer: Any = make_row_optimizer(tc.optimizer, model.row_tables(), lr=tc.lr, betas=tc.betas, eps=tc.eps)
         noise_gen = torch.Generator(device=device)
         noise_gen.manual_seed(seeds.noise)
@@ -152,7 +155,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
         per_epoch, budget_cap = sampler.steps_per_epoch, None
     ledger = accounting.Ledger()
     if dp is not None:
-        for p in rb.prefix:  # the DP vocabulary, spent before the first step
+        for p in rb.prefix:  # the DP vocabulary and the row pre-selection, spent before the first step
             ledger.add(p)
     step, history, elapsed = 0, [], 0.0
     if ckpt is not None:
@@ -193,7 +196,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
 
     if ckpt is None:
         if rb.prefix:
-            budget.write_journal(out, ledger)  # the vocabulary's spend, before anything derived from it is logged
+            budget.write_journal(out, ledger)  # the prefix's spend, before anything derived from it is logged
         history.append(_epoch_record(model, splits, tc, -1, 0, dp, ledger, rb))
         log({"kind": "notice", "text": run_summary.DIAGNOSTICS_NOTICE})
         log({"kind": "start", "n_train": n, "n_units": n_dp if grouped is not None else None,
@@ -230,6 +233,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: CBOWDa
                 loss, grads = model.per_sample_row_grads(batch)
                 if grouped is not None:  # one "sample" of the DP step = one unit's summed gradient
                     grads = units.group_rows(grads, drawn.segment, num_units=drawn.num_units)
+                grads = preselect_setup.restrict_grads(grads, pre)  # dp.preselect: the kept rows only
                 res = dp_step(grads, batch_size=b, sampling_rate=b / n_dp, clip1=dp.clip1, clip2=dp.clip2,
                               noise_multiplier=dp.noise_multiplier, selector=selector,
                               ctx=SelectionContext(epoch=epoch, num_epochs=tc.epochs), generator=noise_gen)
