@@ -1,8 +1,9 @@
-"""Write the privacy-utility frontier sweeps (issue 13): configs/frontier_v1k.yaml and configs/frontier_v10k.yaml.
+"""Write the privacy-utility frontier sweeps (issue 13): configs/frontier_{v1k,v10k,full}.yaml (the whole grid per
+V) and configs/frontier_v10k_eps8.yaml, configs/frontier_full_eps8.yaml (the cells that decide the issue's targets).
 
-    .venv/bin/python bench/frontier_configs.py            # regenerates both files (seconds)
-    widedp compare configs/frontier_v1k.yaml --out runs/frontier_v1k     # hours; resume-safe
-    widedp compare configs/frontier_v10k.yaml --out runs/frontier_v10k   # many hours
+    .venv/bin/python bench/frontier_configs.py            # regenerates every file (seconds)
+    widedp compare configs/frontier_v10k_eps8.yaml --out runs/frontier_v10k_eps8 --set train.threads=1   # ~2 h
+    widedp compare configs/frontier_v10k.yaml --out runs/frontier_v10k   # many hours; resume-safe
 
 Every cell is at the same honestly accounted privacy: dp.target_epsilon = eps in {1, 3, 8}, delta = 1e-5, add/remove
 one (target, context) pair, PLD, with sigma solved for it (dp.calibrate: noise_multiplier) and the selection's own
@@ -11,6 +12,14 @@ parameters fixed per cell. "Budget split" f is how the selection's share of the 
   over the whole run, spends f * eps by the RDP accountant (an upper bound: by PLD it spends less);
 - gaussian_threshold: sigma_sel = sigma_DPSGD(eps) / sqrt(f), so that the selection takes the share f of the step's
   Gaussian budget 1/sigma_eff^2 = 1/sigma^2 + 1/sigma_sel^2 (sigma_eff = DP-SGD's sigma at eps).
+- pre-selection (``dp.preselect``, one-shot over the whole training set, then the step on the kept rows only):
+  rows K = R/4 (so at most a quarter of the rows is ever noised per step), sigma_pre such that the pre-selection
+  ALONE spends PRE_SHARE * eps (PLD), tau = 3 sigma_pre; sigma of the steps is calibrated for the prefix AND the
+  steps together. Two cells per eps: ``preselect-dpsgd`` (``selection: all`` on the K rows = DP-SGD on the subset,
+  lr in {3e-3, 1e-2}) and ``preselect-gt`` (gaussian_threshold on the K rows, f = 0.25, tau = 0.5 sigma_sel).
+The ``_eps8`` files hold, in run order, what decides the targets at eps = 8: DP-SGD (lr grid), the pre-selection
+cells, gaussian_threshold (its grid), exponential k = 2000 (reference), non-private; the whole-Brown one DP-SGD at
+the lr that won at V = 10K, the pre-selection cells and gaussian_threshold at f = 0.25, tau = 0.5 sigma_sel.
 Pick each mechanism's best cell by VALIDATION loss (never test), then add ``seeds: [0, 1]`` to that cell and rerun
 the sweep (finished seeds are reused).
 """
@@ -27,6 +36,8 @@ from widedp.config import SELECTIONS
 from widedp.dp.selection import make_selector
 from widedp.dp.spend import GaussianSpend, StepSpend
 
+PRE_SHARE = 0.1  # the pre-selection's share of eps (alone, PLD)
+
 ROOT = Path(__file__).resolve().parents[1]
 DELTA = 1e-5
 EPSILONS = (1, 3, 8)
@@ -42,6 +53,11 @@ SETTINGS = {
              "rates": (0.75, 0.9), "max_rows": 5000, "nonprivate": "brown10k_cbow_nonprivate.yaml",
              "rows": 20_000,
              "title": "V = 10K (brown_10k: 20,000 rows untied, 1.51M train pairs, b = 1000, 5 epochs = 7,545 steps)"},
+    "full": {"preset": "brown_full", "n": 1_591_740, "epochs": 5, "k": (2000, 5000), "k_count": 5000,
+             "cutoff": 2000, "rates": (0.75, 0.9), "max_rows": 6616, "nonprivate": "brown10k_cbow_nonprivate.yaml",
+             "rows": 26_464,
+             "title": "whole Brown (brown_full: every word seen >= 5 times, V = 13,232: 26,464 rows untied, 1.59M "
+                      "train pairs, b = 1000, 5 epochs = 7,960 steps)"},
 }
 B = 1000
 
@@ -66,6 +82,34 @@ def with_selection_eps(sel: dict, rows: int, q: float, steps: int, target: float
     return {**sel, "epsilon": float(f"{e:.4g}")}
 
 
+def preselect_sigma(eps: float) -> float:
+    """sigma_pre: the one-shot pre-selection (sensitivity 1, every sample) alone spends PRE_SHARE * eps (PLD)."""
+    s = accounting.calibrate_noise_multiplier(lambda x: StepSpend(1.0, (GaussianSpend(x),)), steps=1, delta=DELTA,
+                                              target_epsilon=PRE_SHARE * eps)
+    return float(f"{s:.4g}")
+
+
+def _dp_sets(sets: dict) -> dict:
+    return {"train.batch_size": B, "train.optimizer": "lazy_adam", "dp.delta": DELTA, "dp.accountant": "pld",
+            "dp.calibrate": "noise_multiplier", **sets}
+
+
+def preselect_cells(v: str, eps: float, *, lrs: tuple[float, ...] = (3e-3, 1e-2)) -> list[dict]:
+    """DP-SGD on the pre-selected rows (one cell per lr) and gaussian_threshold on them (f = 0.25, tau = 0.5)."""
+    st = SETTINGS[v]
+    q, steps = B / st["n"], _steps(st["n"], st["epochs"])
+    k = st["rows"] // 4
+    pre = {"rows": k, "sigma": preselect_sigma(eps), "threshold_sigmas": 3.0}
+    tag = f"eps{eps}"
+    out = [{"name": f"preselect-dpsgd-{tag}-K{k}-lr{lr:g}", "config": "brown_cbow_dpsgd.yaml",
+            "set": _dp_sets({"dp.target_epsilon": eps, "train.lr": lr, "dp.preselect": pre})} for lr in lrs]
+    sel = {"name": "gaussian_threshold", "sigma": float(f"{dpsgd_sigma(q, steps, eps) / math.sqrt(0.25):.4g}"),
+           "threshold_sigmas": 0.5}
+    out.append({"name": f"preselect-gt-{tag}-K{k}-f0.25-t0.5", "config": "brown_cbow_gaussian_threshold.yaml",
+                "set": _dp_sets({"dp.target_epsilon": eps, "dp.selection": sel, "dp.preselect": pre})})
+    return out
+
+
 def cells(v: str) -> list[dict]:
     st = SETTINGS[v]
     q, steps = B / st["n"], _steps(st["n"], st["epochs"])
@@ -73,15 +117,14 @@ def cells(v: str) -> list[dict]:
     runs: list[dict] = []
 
     def add(name: str, config: str, sets: dict) -> None:
-        dp = {"train.batch_size": B, "train.optimizer": "lazy_adam", "dp.delta": DELTA, "dp.accountant": "pld",
-              "dp.calibrate": "noise_multiplier"}
-        runs.append({"name": name, "config": config, "set": {**dp, **sets}})
+        runs.append({"name": name, "config": config, "set": _dp_sets(sets)})
 
     for eps in EPSILONS:
         sigma = dpsgd_sigma(q, steps, eps)
         tag = f"eps{eps}"
         for lr in (1e-3, 3e-3, 1e-2):
             add(f"dpsgd-{tag}-lr{lr:g}", "brown_cbow_dpsgd.yaml", {"dp.target_epsilon": eps, "train.lr": lr})
+        runs.extend(preselect_cells(v, eps))
         for k in st["k"]:
             for f in (0.25, 0.5) if len(st["k"]) == 1 else (0.5,):
                 sel = with_selection_eps({"name": "exponential", "k": k, "epsilon": None, "score_clip": 0.05}, *split,
@@ -116,37 +159,66 @@ def cells(v: str) -> list[dict]:
     return runs
 
 
-def sweep(v: str) -> tuple[str, dict]:
+#: The eps = 8 cells that decide the targets, in run order (``{k}``: R/4); whole Brown: DP-SGD at the lr that won
+#: at V = 10K (set after that run: 1e-2 gave the lowest validation loss there; see docs/results.md).
+DECISIVE = {
+    "v10k": ["dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.01", "preselect-dpsgd-eps8-K{k}-lr0.003",
+             "preselect-gt-eps8-K{k}-f0.25-t0.5", "gaussian_threshold-eps8-f0.25-t0.5",
+             "exponential-eps8-k2000-f0.5", "preselect-dpsgd-eps8-K{k}-lr0.01", "gaussian_threshold-eps8-f0.25-t1",
+             "gaussian_threshold-eps8-f0.5-t0.5", "gaussian_threshold-eps8-f0.5-t1", "dpsgd-eps8-lr0.001",
+             "nonprivate"],
+    "full": ["dpsgd-eps8-lr0.01", "preselect-dpsgd-eps8-K{k}-lr0.01", "preselect-gt-eps8-K{k}-f0.25-t0.5",
+             "gaussian_threshold-eps8-f0.25-t0.5", "nonprivate"],
+}
+
+
+def sweep(v: str, only: list[str] | None = None) -> tuple[str, dict]:
     st = SETTINGS[v]
+    k = st["rows"] // 4  # the pre-selection's rows
     runs = cells(v)
+    runs.append({"name": "nonprivate", "config": st["nonprivate"],
+                 "set": {"train.batch_size": B, "train.optimizer": "sparse_adam"}})
     common = {"data.preset": st["preset"], "model.tied": False, "train.epochs": st["epochs"]}
-    if v == "v10k":
+    if v != "v1k":
         common["train.eval_max_samples"] = 100_000  # valid/test losses on 100K of ~500K pairs each (per epoch)
+    epsilons = EPSILONS
+    name = f"frontier_{v}"
+    if only is not None:
+        by_name = {r["name"]: r for r in runs}
+        runs = [by_name[n.format(k=k)] for n in only]
+        epsilons, name = (8,), f"frontier_{v}_eps8"
     panels = {f"target ε = {eps}": [r["name"] for r in runs if f"-eps{eps}-" in r["name"]] + ["nonprivate"]
-              for eps in EPSILONS}
-    np_set = {"train.batch_size": B, "train.optimizer": "sparse_adam"}
-    runs.append({"name": "nonprivate", "config": st["nonprivate"], "set": np_set})
+              for eps in epsilons}
     header = (
         f"# Privacy-utility frontier, {st['title']} — written by bench/frontier_configs.py (edit that, not this).\n"
-        "# Every DP cell at target epsilon in {1, 3, 8}, delta 1e-5 (add/remove one pair, PLD), sigma calibrated;\n"
+        + ("# Only the eps = 8 cells that decide issue 13's targets, in run order.\n" if only else "")
+        + "# Every DP cell at target epsilon in {1, 3, 8}, delta 1e-5 (add/remove one pair, PLD), sigma calibrated;\n"
         "# lazy Adam. Grid per epsilon (budget split f: see bench/frontier_configs.py):\n"
         "#   dpsgd: lr in {1e-3, 3e-3, 1e-2}            exponential (gradient-norm scores): k, f (eps'' per pick)\n"
         "#   exponential_count: k, f=0.5, count scores  sparse_vector: cutoff c, f=0.5 (eps per segment)\n"
         "#   uniform: k                                 random_sparsification: final rate r\n"
         "#   gaussian_threshold: f in {0.25, 0.5} (sigma_sel = sigma_DPSGD/sqrt(f)) x tau in {0.5, 1} sigma_sel"
         + (f", max_rows {st['max_rows']}" if st["max_rows"] else "") + "\n"
+        f"#   preselect-*: dp.preselect rows K = {k} (R/4), its own share {PRE_SHARE} of eps; then DP-SGD\n"
+        "#   (lr in {3e-3, 1e-2}) or gaussian_threshold (f = 0.25, tau = 0.5 sigma_sel) on the K rows\n"
         "# Sparse cells train at lr 5e-3 (their configs'). Choose each mechanism's best cell by validation loss, then\n"
         "# add seeds: [0, 1] to it and rerun (finished seeds are reused).\n"
-        f"#   widedp compare configs/frontier_{v}.yaml --out runs/frontier_{v}\n"
+        f"#   widedp compare configs/{name}.yaml --out runs/{name} --set train.threads=1\n"
     )
     return header, {"set": common, "panels": panels, "runs": runs}
 
 
+class _NoAliases(yaml.SafeDumper):
+    def ignore_aliases(self, data: object) -> bool:
+        return True
+
+
 def main() -> None:
-    for v in SETTINGS:
-        header, body = sweep(v)
-        path = ROOT / "configs" / f"frontier_{v}.yaml"
-        path.write_text(header + yaml.safe_dump(body, sort_keys=False, allow_unicode=True, width=120))
+    jobs = [(v, None) for v in SETTINGS] + [(v, names) for v, names in DECISIVE.items()]
+    for v, only in jobs:
+        header, body = sweep(v, only)
+        path = ROOT / "configs" / f"frontier_{v}{'_eps8' if only else ''}.yaml"
+        path.write_text(header + yaml.dump(body, Dumper=_NoAliases, sort_keys=False, allow_unicode=True, width=120))
         print(f"wrote {path} ({len(body['runs'])} runs)")
 
 

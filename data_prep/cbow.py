@@ -17,7 +17,9 @@ The window definition was chosen by counting pairs on Brown with V=1000 (the iss
 
 (on 232,680 in-vocabulary tokens in 57,340 sentences). Windows over the stream *before* OOV words are dropped give
 653,164 (4 each side). So "window 4" = 4 in-vocabulary words each side, within sentences: 979,216 pairs, and
-224,940 bag samples (targets with a non-empty window). ``brown_10k`` (V=10,000): 2,514,322 pairs.
+224,940 bag samples (targets with a non-empty window). ``brown_10k`` (V=10,000): 2,514,322 pairs. ``brown_full``
+(``min_count`` 5: every word seen at least 5 times, V=13,232 of the 40,097 words left after the filters):
+2,652,900 pairs (1,591,740 train).
 
 Vocabulary (``data.vocabulary``): ``private_top`` (above), ``file:PATH`` (a public list, ``corpus.file_vocab``) or
 ``dp`` (the run's release, ``widedp.dp.vocab``: passed in as ``vocab=``, never cached). The train split also keeps
@@ -160,7 +162,7 @@ def corpus_vocab(corp: corpus_mod.Corpus, cfg: DataConfig) -> corpus_mod.Vocab:
     """The vocabulary of ``data.vocabulary`` private_top (the top-V words) or file:PATH (``dp``: see vocab_dp)."""
     if cfg.vocabulary.startswith("file:"):
         return corpus_mod.file_vocab(corp, cfg.vocabulary[5:], cfg.vocab_size, lowercase=cfg.lowercase)
-    return corpus_mod.select_vocab(corp, cfg.vocab_size, source=cfg.corpus)
+    return corpus_mod.select_vocab(corp, cfg.vocab_size, source=cfg.corpus, min_count=cfg.min_count)
 
 
 def sample_positions(sent: np.ndarray, cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:

@@ -233,12 +233,18 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     return corpus
 
 
-def select_vocab(corpus: Corpus, vocab_size: int, *, source: str = "") -> Vocab:
-    """The ``vocab_size`` most frequent words, ties broken alphabetically; ConfigError when too few words."""
+def select_vocab(corpus: Corpus, vocab_size: int, *, source: str = "", min_count: int = 1) -> Vocab:
+    """The ``vocab_size`` most frequent words, ties broken alphabetically; ConfigError when too few words. With
+    ``min_count`` > 1: the words occurring at least that often, at most ``vocab_size`` of them."""
     counts = np.bincount(corpus.ids, minlength=len(corpus.words))
     distinct = int(np.count_nonzero(counts))
     if distinct == 0:
         raise ConfigError(f"data.corpus: no tokens left after filtering in {source or 'the corpus'}")
+    if min_count > 1:
+        frequent = int(np.count_nonzero(counts >= min_count))
+        if frequent == 0:
+            raise ConfigError(f"data.min_count: no word occurs {min_count} times in {source or 'the corpus'}")
+        vocab_size = min(vocab_size, frequent)
     if vocab_size > distinct:
         raise ConfigError(f"data.vocab_size: {vocab_size} is more than the {distinct} distinct words left after "
                           f"filtering {source or 'the corpus'}")

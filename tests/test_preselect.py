@@ -1,6 +1,6 @@
 """One-shot DP pre-selection (DP-FEST): contribution totals, the exact law against brute force over all rows (with a
 broken false-positive ranking detected), its spend and the prefix-aware calibration / budget, the restricted selector
-in the step, and the guard until training runs it."""
+in the step, and the guard (``budget.PRESELECT_WIRED``; training runs it: tests/test_preselect_setup.py)."""
 
 import itertools
 from dataclasses import replace
@@ -96,14 +96,15 @@ def test_spend_and_prefix_aware_calibration():
     assert t < accounting.max_steps(mk(plain), delta=1e-5, target_epsilon=2.0, accountant="rdp")
 
 
-def test_guard_until_training_runs_it(monkeypatch):
+def test_wired_and_its_guard(monkeypatch):
     dp = DPConfig(clip1=1.0, clip2=None, noise_multiplier=1.0, selection=AllRowsConfig(), target_epsilon=3.0,
                   accountant="rdp", calibrate="noise_multiplier",
                   preselect=PreselectConfig(rows=10, sigma=3.0, threshold=5.0))
     cfg = Config(data=DataConfig(splits=(10_000, 10, 10)), train=TrainConfig(epochs=2, batch_size=100), dp=dp)
+    assert budget.PRESELECT_WIRED  # training runs it (tests/test_preselect_setup.py)
+    monkeypatch.setattr(budget, "PRESELECT_WIRED", False)
     with pytest.raises(ConfigError, match="preselect"):
         budget.calibrated(cfg, num_rows=100, n=10_000)
-    monkeypatch.setattr(budget, "PRESELECT_WIRED", True)
     assert budget.preselect_runs(dp) == [(StepSpend(1.0, (GaussianSelectionSpend(3.0, 1.0),)), 1)]
     assert budget.preselect_runs(replace(dp, preselect=None)) == []
 

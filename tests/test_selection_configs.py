@@ -20,14 +20,22 @@ def test_gaussian_threshold_config_loads():
     assert config_from_dict(cfg.to_dict()) == cfg
 
 
-@pytest.mark.parametrize("name", ["frontier_v1k.yaml", "frontier_v10k.yaml"])
+@pytest.mark.parametrize("name", ["frontier_v1k.yaml", "frontier_v10k.yaml", "frontier_full.yaml",
+                                  "frontier_v10k_eps8.yaml", "frontier_full_eps8.yaml"])
 def test_frontier_sweeps_load(name):
     sweep = load_sweep(CONFIGS / name)
     mechanisms = {r.name.split("-")[0] for r in sweep.runs}
-    assert mechanisms == {"dpsgd", "exponential", "exponential_count", "sparse_vector", "uniform",
-                          "random_sparsification", "gaussian_threshold", "nonprivate"}
     targets = {r.config(0).dp.target_epsilon for r in sweep.runs if r.name != "nonprivate"}
-    assert targets == {1, 3, 8}
+    if "eps8" in name:
+        assert {"dpsgd", "preselect", "gaussian_threshold", "nonprivate"} <= mechanisms and targets == {8}
+    else:
+        assert mechanisms == {"dpsgd", "exponential", "exponential_count", "sparse_vector", "uniform",
+                              "random_sparsification", "gaussian_threshold", "preselect", "nonprivate"}
+        assert targets == {1, 3, 8}
+    rows = sweep.runs[0].config(0).data.vocab_size * 2
+    for r in sweep.runs:
+        pre = r.config(0).dp.preselect if r.name != "nonprivate" else None
+        assert (pre is not None) == r.name.startswith("preselect") and (pre is None or pre.rows == rows // 4)
     assert all(r.config(0).dp is None for r in sweep.runs if r.name == "nonprivate")
     assert all(r.config(0).dp.calibrate == "noise_multiplier" for r in sweep.runs if r.name != "nonprivate")
 

@@ -27,11 +27,11 @@ from widedp.config import (
 )
 from widedp.dp.rowgrads import PerSampleRows, coalesce
 from widedp.dp.selection import SelectionContext, Selector, make_selector
-from widedp.dp.selection.preselect import preselected
 from widedp.dp.spend import ExponentialSpend, FreeSpend, GaussianSelectionSpend, SparseVectorSpend, StepSpend
 from widedp.dp.step import dp_step, dp_step_spend
 from widedp.errors import ConfigError
 from widedp.run.budget import step_spend
+from widedp.run.preselect_setup import Preselection, restrict_selector
 
 ROWS, DIM, DELTA = 12, 3, 1e-5
 CTX = SelectionContext(epoch=1, num_epochs=3)
@@ -198,15 +198,17 @@ class TestAllRows(SelectorContract):
 
 
 class TestPreselectedExponential(SelectorContract):
-    """An exponential selector over the pre-selected rows only (no ``dp.selection`` alone builds it)."""
+    """An exponential selector over the pre-selected rows only, built as a run with ``dp.preselect`` builds it
+    (``widedp.run.preselect_setup.restrict_selector`` on the factory's selector over all R rows), so its spend must
+    be the budget's ``step_spend`` of ``dp.selection`` (the pre-selection itself is charged once, separately)."""
 
     __test__ = True
+    config = ExponentialSelectionConfig(k=2, epsilon=2.0, score_clip=1.0)
     k = 2
     rows = torch.tensor([0, 2, 3, 5, 7, 8, 10, 11])
 
     def make(self) -> Selector:
-        base = make_selector(ExponentialSelectionConfig(k=2, epsilon=2.0, score_clip=1.0), num_rows=len(self.rows))
-        return preselected(base, self.rows)
+        return restrict_selector(make_selector(self.config, num_rows=ROWS), Preselection(self.rows, ROWS))
 
     def candidates(self) -> set[int]:
         return set(self.rows.tolist())

@@ -6,12 +6,13 @@
     (Gaussian partition selection, σ=4, ≤ 32 words per sentence, δ_τ=1e-06 of δ)
 
 A statement is stored as a dict in ``summary.json`` (``"privacy"``), the export's ``privacy.json`` and the CLI's
-output; ``text`` is the one line printed wherever ε is.
+output; ``text`` is the one line printed wherever ε is. What ε covers besides the steps comes from the task
+(``UnitFacts.includes``: the DP vocabulary) and from the dp: section (``with_preselect``: the row pre-selection).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 #: ADJACENCY -> the words used in the statement.
@@ -87,3 +88,14 @@ def for_run(facts: UnitFacts, *, epsilon: float | None, delta: float | None, acc
     return PrivacyStatement(epsilon, delta, facts.unit, accountant=accountant.upper(), not_covered=facts.not_covered,
                             private=private_rng, reason="" if private_rng else NOT_PRIVATE, extra=extra or {},
                             includes=facts.includes)
+
+
+def with_preselect(facts: UnitFacts, dp: Any) -> UnitFacts:
+    """``facts`` with the one-shot row pre-selection (``dp.preselect`` of the dp: section ``dp``, charged before the
+    first step) among what ε includes; unchanged without one."""
+    pre = getattr(dp, "preselect", None)
+    if pre is None:
+        return facts
+    what = (f"the one-shot row pre-selection: Gaussian, σ={pre.sigma:g} on ℓ2-normalised contribution counts, "
+            f"≤ {pre.rows} rows kept (only they are ever updated)")
+    return replace(facts, includes=(*facts.includes, what))

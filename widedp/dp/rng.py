@@ -18,6 +18,7 @@ they are not a CSPRNG stream, and floating-point attacks on Gaussian sampling (M
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -62,6 +63,13 @@ def new_seeds(*, mode: RngMode, seed: int) -> RunSeeds:
     raise ConfigError(f"dp.rng: expected secure or reproducible, got {mode!r}")
 
 
+def derived_seed(noise_seed: int, purpose: str) -> int:
+    """A 62-bit seed for a stream of its own (``purpose``: e.g. the DP vocabulary's, the row pre-selection's), derived
+    from the run's (secret) noise seed by SHA-256: as secret as that seed, independent of the training noise."""
+    digest = hashlib.sha256(f"{purpose}:{noise_seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
 def private_dir(run_dir: Path) -> Path:
     """``run_dir/private`` (created with mode 0700)."""
     d = run_dir / PRIVATE_DIR
@@ -83,6 +91,11 @@ def _write_private(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def save_private(run_dir: Path, name: str, data: bytes) -> None:
+    """Write ``run_dir/private/name`` (0600, atomically): e.g. the run's pre-selected rows."""
+    _write_private(private_dir(run_dir) / name, data)
 
 
 def save_seeds(run_dir: Path, seeds: RunSeeds) -> None:

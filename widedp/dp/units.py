@@ -53,6 +53,17 @@ class Units:
         """[N] samples kept per unit."""
         return self.offsets.diff()
 
+    def batch(self, ids: Tensor) -> UnitBatch:
+        """The units ``ids`` [N_b] (distinct, on ``offsets``' device) with all their kept samples, unit by unit."""
+        start = self.offsets.index_select(0, ids)
+        lens = self.offsets.index_select(0, ids + 1) - start
+        total = int(lens.sum())
+        seg = torch.repeat_interleave(torch.arange(ids.numel(), device=ids.device), lens, output_size=total)
+        within = torch.arange(total, device=ids.device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens,
+                                                                                   output_size=total)
+        pos = start.index_select(0, seg) + within
+        return UnitBatch(self.samples.index_select(0, pos), seg, ids.numel())
+
 
 def group_units(unit_of: np.ndarray, key: np.ndarray, *, cap: int, device: torch.device | str = "cpu") -> Units:
     """Group samples by ``unit_of`` [n] (any ids), each unit's samples sorted by ``key`` [n] and cut to the first
@@ -95,15 +106,7 @@ class UnitPoissonSampler:
         self._sampler = PoissonSampler(units.num_units, sampling_rate=sampling_rate, seed=seed, device=device)
 
     def draw(self, step: int) -> UnitBatch:
-        ids = self._sampler.batch(step).to(self.units.offsets.device)  # [N_b] distinct unit ids
-        start = self.units.offsets.index_select(0, ids)
-        lens = self.units.offsets.index_select(0, ids + 1) - start
-        total = int(lens.sum())
-        seg = torch.repeat_interleave(torch.arange(ids.numel(), device=ids.device), lens, output_size=total)
-        within = torch.arange(total, device=ids.device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens,
-                                                                                   output_size=total)
-        pos = start.index_select(0, seg) + within
-        return UnitBatch(self.units.samples.index_select(0, pos), seg, ids.numel())
+        return self.units.batch(self._sampler.batch(step).to(self.units.offsets.device))  # [N_b] distinct unit ids
 
 
 def group_rows(g: PerSampleRows, segment: Tensor, *, num_units: int) -> PerSampleRows:

@@ -34,7 +34,6 @@ canary run loads it and never draws again, the run's ledger holds its spend, and
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ import torch
 from scipy import stats
 
 from widedp.data_prep import corpus as corpus_mod
+from widedp.dp import rng
 from widedp.errors import ConfigError
 from widedp.run.checkpoint import read_json, write_json
 
@@ -140,8 +140,7 @@ def draw_release(data_cfg: Any, *, generator: torch.Generator) -> VocabRelease:
 def vocab_seed(noise_seed: int) -> int:
     """A 62-bit seed for the vocabulary noise derived from the run's (secret) noise seed: SHA-256 keeps it as secret
     as that seed and independent of the training noise stream."""
-    digest = hashlib.sha256(f"widedp-vocab-dp:{noise_seed}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 2
+    return rng.derived_seed(noise_seed, "widedp-vocab-dp")
 
 
 def load_release(run_dir: Path) -> VocabRelease | None:

@@ -30,11 +30,11 @@ from widedp.run.checkpoint import read_json, write_json
 
 JOURNAL = "spent.json"
 
-#: Set once training runs ``dp.preselect`` (``widedp.dp.selection.preselect``) and charges it before the first step
-#: (``preselect_runs`` as a ``run_budget.RunBudget`` prefix, in ``widedp.run.engines.sparse.SparseDPEngine.setup``,
-#: the one place a run's plan is made); until then a config with ``dp.preselect`` is
-#: refused (by ``calibrated``, on every training and ``widedp epsilon`` path) rather than trained without it.
-PRESELECT_WIRED = False
+#: Training runs ``dp.preselect`` (``widedp.dp.selection.preselect``, drawn by ``widedp.run.preselect_setup``) and
+#: charges it before the first step (``preselect_runs`` as a ``run_budget.RunBudget`` prefix entry, recorded by
+#: ``widedp.run.engines.sparse.SparseDPEngine.setup``, the one place a run's plan is made; ``widedp epsilon``
+#: includes it). False would refuse such configs (``calibrated``, on every training and ``widedp epsilon`` path).
+PRESELECT_WIRED = True
 
 
 def step_spend(dp: DPConfig, *, num_rows: int, batch_size: int, n: int) -> StepSpend:

@@ -6,10 +6,11 @@ cap) from the task's n, rows and units (``widedp.tasks.Task.shape``), so the fig
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from widedp import accounting
-from widedp.accounting.statement import for_run
+from widedp.accounting.statement import for_run, with_preselect
 from widedp.config import Config
 from widedp.dp import units
 from widedp.errors import ConfigError
@@ -19,8 +20,8 @@ from widedp.tasks import AlgorithmTask, get_task
 
 def epsilon_report(cfg: Config) -> dict[str, Any]:
     """What ``cfg`` would spend (``epsilon``: everything, at ``dp.delta``), its settings, and ``privacy``: the
-    statement the run would make. With privacy units or a DP vocabulary also ``n_units``, ``privacy_unit``, ...,
-    ``epsilon_training_only`` (the steps alone) and ``vocabulary``."""
+    statement the run would make. With privacy units, a DP vocabulary or a row pre-selection also ``n_units``,
+    ``privacy_unit``, ..., ``epsilon_training_only`` (the steps alone), ``vocabulary`` and ``preselect``."""
     task = get_task(cfg.task)
     if isinstance(task, AlgorithmTask):
         return task.epsilon_report(cfg)
@@ -45,23 +46,30 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
         rep["max_samples_per_unit"] = cfg.data.max_samples_per_unit
     if rb.prefix:
         _with_prefix(rep, cfg, plan, steps)
-    st = for_run(task.privacy(cfg), epsilon=rep["epsilon"], delta=dp.delta, accountant=dp.accountant,
-                 private_rng=dp.rng == "secure")
+    st = for_run(with_preselect(task.privacy(cfg), cfg.dp), epsilon=rep["epsilon"], delta=dp.delta,
+                 accountant=dp.accountant, private_rng=dp.rng == "secure")
     return {"privacy": st.text} | rep
 
 
 def _with_prefix(rep: dict[str, Any], cfg: Config, plan: run_budget.DPPlan, steps: int) -> None:
-    """The DP vocabulary composed with the steps: ``epsilon`` covers both, ``epsilon_training_only`` the steps."""
+    """The DP vocabulary and the row pre-selection composed with the steps: ``epsilon`` covers all, and
+    ``epsilon_training_only`` the steps."""
     rb, dp = plan.rb, plan.dp
     rep["epsilon_training_only"] = rep["epsilon"]
     for key, acct in (("epsilon_pld", "pld"), ("epsilon_rdp", "rdp")):
         rep[key] = run_budget.composed_epsilon(rb, dp, [(plan.spend, steps)], acct)
     rep["epsilon"] = rep["epsilon_pld"] if dp.accountant == "pld" else rep["epsilon_rdp"]
     rep["delta"] = dp.delta
-    v = cfg.data.vocab_dp
-    rep["vocabulary"] = {"mechanism": "Gaussian partition selection (widedp.dp.vocab)", "sampling_rate": 1.0,
-                         "noise_multiplier": v.noise_multiplier, "sensitivity": 1.0,
-                         "max_words_per_unit": v.max_words_per_unit, "threshold_delta": v.delta,
-                         "epsilon_alone": run_budget.composed_epsilon(rb, dp, []),
-                         "accounting": f"ledger eps at delta - {v.delta:g} (vocabulary Gaussian + steps) "
-                                       f"+ ln(1/(1 - {v.delta:g}))"}
+    if dp.preselect is not None:  # the last prefix entry
+        rep["preselect"] = {"mechanism": "one-shot Gaussian row pre-selection (widedp.dp.selection.preselect)",
+                            "sampling_rate": 1.0, "noise_multiplier": dp.preselect.sigma, "sensitivity": 1.0,
+                            "rows": dp.preselect.rows, "threshold": dp.preselect.tau,
+                            "epsilon_alone": run_budget.composed_epsilon(run_budget.RunBudget(rb.prefix[-1:]), dp, [])}
+    if rb.vocabulary:  # the first prefix entry
+        v = cfg.data.vocab_dp
+        rep["vocabulary"] = {"mechanism": "Gaussian partition selection (widedp.dp.vocab)", "sampling_rate": 1.0,
+                             "noise_multiplier": v.noise_multiplier, "sensitivity": 1.0,
+                             "max_words_per_unit": v.max_words_per_unit, "threshold_delta": v.delta,
+                             "epsilon_alone": run_budget.composed_epsilon(replace(rb, prefix=rb.prefix[:1]), dp, []),
+                             "accounting": f"ledger eps at delta - {v.delta:g} (vocabulary Gaussian + steps) "
+                                           f"+ ln(1/(1 - {v.delta:g}))"}

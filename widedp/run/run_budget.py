@@ -5,8 +5,10 @@ The DP vocabulary (``widedp.dp.vocab``) is recorded in the run's ledger as one s
 part is its Gaussian (noise multiplier sigma_v, sensitivity 1): ``RunBudget.prefix``. Its threshold adds
 delta_tau (``data.vocab_dp.delta``) that no ledger entry carries, so every epsilon of such a run is
 ``eps_ledger(dp.delta - delta_tau) + ln(1 / (1 - delta_tau))`` at the run's ``dp.delta`` (why that is valid: the
-``widedp.dp.vocab`` docstring). Calibration and the budget stop solve for that same figure. Runs without a DP
-vocabulary go through ``widedp.run.budget`` unchanged.
+``widedp.dp.vocab`` docstring). Calibration and the budget stop solve for that same figure. The one-shot row
+pre-selection (``dp.preselect``, ``widedp.dp.selection.preselect``; drawn by ``widedp.run.preselect_setup``) is a
+prefix entry too: one Gaussian (sigma_pre, sensitivity 1) at sampling rate 1, after the vocabulary's. Runs with
+neither go through ``widedp.run.budget`` unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from widedp import accounting
 from widedp.accounting.pld import PLDRangeError
-from widedp.config import Config, DPConfig
+from widedp.config import Config, DPConfig, GaussianThresholdSelectionConfig
 from widedp.dp.spend import StepSpend
 from widedp.errors import ConfigError
 from widedp.run import budget
@@ -27,10 +29,12 @@ from widedp.run import budget
 @dataclass(frozen=True)
 class RunBudget:
     """prefix: steps recorded before the first training step (each once); threshold_delta: delta spent outside the
-    ledger (the vocabulary's threshold)."""
+    ledger (the vocabulary's threshold); vocabulary: the run draws a DP vocabulary (its entry is ``prefix[0]``; the
+    task's build releases it, ``widedp.tasks.Task.build``'s ``noise_seed``)."""
 
     prefix: tuple[StepSpend, ...] = ()
     threshold_delta: float = 0.0
+    vocabulary: bool = False
 
     @property
     def prefix_steps(self) -> int:
@@ -50,11 +54,14 @@ class RunBudget:
 
 
 def for_config(cfg: Config) -> RunBudget:
-    """The run budget of ``cfg`` (empty unless its data asks for ``vocabulary: dp``, a CBOW's, and it has a dp:
-    section)."""
-    if cfg.dp is None or getattr(cfg.data, "vocabulary", "") != "dp":
+    """The run budget of ``cfg`` (empty unless it has a dp: section and its data asks for ``vocabulary: dp``, a
+    CBOW's, or it has ``dp.preselect``)."""
+    if cfg.dp is None:
         return RunBudget()
-    rb = RunBudget((budget.vocabulary_spend(cfg.data.vocab_dp),), cfg.data.vocab_dp.delta)
+    pre = tuple(step for step, _ in budget.preselect_runs(cfg.dp))
+    if getattr(cfg.data, "vocabulary", "") != "dp":
+        return RunBudget(pre)
+    rb = RunBudget((budget.vocabulary_spend(cfg.data.vocab_dp), *pre), cfg.data.vocab_dp.delta, vocabulary=True)
     rb.accounting_delta(cfg.dp.delta)  # refuse a threshold delta >= dp.delta early
     return rb
 
@@ -92,28 +99,38 @@ def calibrated(cfg: Config, *, num_rows: int, n: int, rb: RunBudget) -> DPConfig
     target = dp.target_epsilon
     assert target is not None
     if composed_epsilon(rb, dp, []) >= target:
-        raise ConfigError(f"dp.target_epsilon: {target:g} is infeasible: the DP vocabulary alone spends "
-                          f"{composed_epsilon(rb, dp, []):.4g}; raise data.vocab_dp.noise_multiplier or the target")
+        raise ConfigError(f"dp.target_epsilon: {target:g} is infeasible: {_prefix_what(rb)} alone spends "
+                          f"{composed_epsilon(rb, dp, []):.4g}; raise its noise multiplier or the target")
     if dp.calibrate == "noise_multiplier":
         def make(x: float) -> DPConfig:
             return replace(dp, noise_multiplier=x)
         increasing = False
+    elif isinstance(dp.selection, GaussianThresholdSelectionConfig):  # its parameter is 1/sigma_sel
+        def make(x: float) -> DPConfig:
+            return replace(dp, selection=replace(dp.selection, sigma=1.0 / x))
+        increasing = True
     elif hasattr(dp.selection, "epsilon"):
         def make(x: float) -> DPConfig:
             return replace(dp, selection=replace(dp.selection, epsilon=x))
         increasing = True
     else:
-        raise ConfigError(f"dp.calibrate: selection_epsilon with a DP vocabulary needs a selection with an epsilon, "
-                          f"not {dp.selection.name!r}")
+        raise ConfigError(f"dp.calibrate: selection_epsilon with {_prefix_what(rb)} needs a selection with an "
+                          f"epsilon, not {dp.selection.name!r}")
     # start from the training-only answer (at the ledger's delta): the joint eps is a little above the target there
     dp0 = budget.calibrated(replace(cfg, dp=replace(dp, delta=rb.accounting_delta(dp.delta))), num_rows=num_rows,
                             n=n)
-    x0 = dp0.selection.epsilon if increasing else dp0.noise_multiplier
+    gt = isinstance(dp.selection, GaussianThresholdSelectionConfig)
+    x0 = dp0.noise_multiplier if not increasing else (1.0 / dp0.selection.sigma if gt else dp0.selection.epsilon)
 
     def f(x: float) -> float:
         return composed_epsilon(rb, dp, [(budget.step_spend(make(x), num_rows=num_rows, batch_size=b, n=n), steps)])
 
     return make(_solve(f, target, x0=x0, increasing=increasing))
+
+
+def _prefix_what(rb: RunBudget) -> str:
+    what = ["the DP vocabulary"] if rb.vocabulary else []
+    return " and ".join(what + ["the row pre-selection"] * (len(rb.prefix) > len(what)))
 
 
 def _solve(f: Callable[[float], float], target: float, *, x0: float, increasing: bool, tol: float = 0.01) -> float:
@@ -136,7 +153,7 @@ def _solve(f: Callable[[float], float], target: float, *, x0: float, increasing:
                 break
             x = x / up
     if good is None or bad is None:
-        raise ConfigError(f"calibration: no value reaches eps <= {target:g} with the DP vocabulary")
+        raise ConfigError(f"calibration: no value reaches eps <= {target:g} with what is spent before the first step")
     for _ in range(60):
         mid = math.sqrt(good * bad)
         v = f(mid)

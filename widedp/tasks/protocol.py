@@ -64,8 +64,8 @@ class Task(Protocol):
     def build(self, cfg: Any, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None
               ) -> Built:
         """Splits and model on ``device``; files the run directory needs (vocab.json, ...). ``data``: prepared
-        data to use (canaries, a sweep's shared corpus); ``noise_seed``: the run's secret seed for what is released
-        before the first step (``RunBudget.prefix``), None when nothing is."""
+        data to use (canaries, a sweep's shared corpus); ``noise_seed``: the run's secret seed for what the build
+        releases before the first step (the DP vocabulary: ``RunBudget.vocabulary``), None when it releases nothing."""
 
     def shape(self, cfg: Any) -> Shape:
         """n, rows (and the train split for units) without training."""

@@ -6,9 +6,10 @@
 
 Life of an engine: ``make_engine`` (checks the config; the DP engines draw or load the run's secret seeds in
 RUN/private/ and know what is spent before the first step), ``setup(built, task)`` (optimizer, sampler, the privacy
-plan), ``load_state_dict`` on resume, then per step ``sample(step)`` and ``step(drawn, epoch)``. The DP engines keep
-the privacy ledger, write the spent-budget journal ahead of every logging interval (``reserve``) and stop before a
-step would exceed ``dp.target_epsilon`` (``exhausted``); ``widedp.run.budget`` says why.
+plan, with ``dp.preselect``'s one-shot draw: ``widedp.run.preselect_setup``), ``load_state_dict`` on resume, then
+per step ``sample(step)`` and ``step(drawn, epoch)``. The DP engines keep the privacy ledger, write the spent-budget
+journal ahead of every logging interval (``reserve``) and stop before a step would exceed ``dp.target_epsilon``
+(``exhausted``); ``widedp.run.budget`` says why.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class Engine(Protocol):
 
     module: torch.nn.Module
     dp: DPConfig | None  # calibrated
-    prefix_seed: int | None  # the secret seed of what is released before the first step; None: nothing is
+    prefix_seed: int | None  # the secret seed of what the task's build releases before the first step; None: nothing
     per_epoch: int
     total: int
     unit_info: dict[str, Any] | None  # summary.json's "units"

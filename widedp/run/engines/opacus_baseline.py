@@ -70,6 +70,9 @@ def check_opacus_config(cfg: Config) -> None:
     dp = cfg.dp
     if dp is None or dp.engine != "opacus":
         raise ConfigError("dp.engine: the Opacus engine needs a dp: section with engine: opacus")
+    if dp.preselect is not None:
+        raise ConfigError("dp.preselect: the one-shot row pre-selection needs dp.engine: widedp (Opacus noises "
+                          "every row of every layer)")
     if dp.selection.name != "all":
         raise ConfigError(f"dp.selection.name: opacus runs DP-SGD only (all), not {dp.selection.name!r}")
     if dp.clip2 is not None:

@@ -25,10 +25,12 @@ class PrivateEngine:
 
     def __init__(self, cfg: Config, out: Path, *, device: torch.device, resumed: bool) -> None:
         assert cfg.dp is not None
-        self.cfg, self.out, self.device, self.dp = cfg, out, device, cfg.dp
+        self.cfg, self.out, self.device, self.dp, self.resumed = cfg, out, device, cfg.dp, resumed
         self.seeds, self.replayable = rng.run_seeds(out, mode=cfg.dp.rng, seed=cfg.train.seed, resume=resumed)
-        self.rb = run_budget.for_config(cfg)  # what is spent before the first step (the DP vocabulary)
-        self.prefix_seed = self.seeds.noise if self.rb.prefix else None
+        # what is spent before the first step: the DP vocabulary (released by the task's build, with the seed below)
+        # and the row pre-selection (drawn by the engine's setup)
+        self.rb = run_budget.for_config(cfg)
+        self.prefix_seed = self.seeds.noise if self.rb.vocabulary else None
         self.unit_info: dict[str, Any] | None = None
 
     def _plan(self, *, num_rows: int, n: int) -> None:

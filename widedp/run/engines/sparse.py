@@ -14,12 +14,14 @@ from typing import Any
 
 import torch
 
+from widedp.accounting.statement import with_preselect
 from widedp.config import Config
 from widedp.dp import rng, units
 from widedp.dp.sampling import PoissonSampler
 from widedp.dp.selection import SelectionContext, make_selector
 from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
+from widedp.run import preselect_setup
 from widedp.run import summary as run_summary
 from widedp.run.engines.base import Drawn, Report, StepOutput
 from widedp.run.engines.private import PrivateEngine
@@ -41,17 +43,20 @@ class SparseDPEngine(PrivateEngine):
     def setup(self, built: Built, task: Task) -> None:
         cfg = self.cfg
         self.module = self._model = built.model
-        self.facts = task.privacy(cfg)
+        self.facts = with_preselect(task.privacy(cfg), cfg.dp)
         self._split = built.splits["train"]
         n = len(self._split)
         self.grouped = task.units(cfg, self._split, device=self.device)
         n_dp = self.grouped.num_units if self.grouped is not None else n  # what Poisson sampling draws
         # The run's privacy plan, all in this one place: the ledger's prefix entries (self.rb.prefix: what is spent
-        # before the first step, today the task's DP vocabulary, drawn by its build with self.prefix_seed; a one-shot
-        # pre-selection, dp.preselect, adds its entry to self.rb here), calibration, the per-step spend, the budget
-        # cap, and the selector every step uses.
+        # before the first step: the task's DP vocabulary, drawn by its build with self.prefix_seed, then the
+        # one-shot row pre-selection, dp.preselect, drawn here), calibration, the per-step spend, the budget cap,
+        # and the selector every step uses (over the pre-selected rows only).
         self._plan(num_rows=self.module.num_rows, n=n_dp)
-        self.selector = make_selector(self.dp.selection, num_rows=self.module.num_rows)
+        self.pre = preselect_setup.setup(cfg, self.out, model=self.module, split=self._split, grouped=self.grouped,
+                                         noise_seed=self.seeds.noise, resume=self.resumed)  # kept in RUN/private/
+        self.selector = preselect_setup.restrict_selector(
+            make_selector(self.dp.selection, num_rows=self.module.num_rows), self.pre)
         self.optimizer = task.row_optimizer(cfg, self.module)
         b, seed = cfg.train.batch_size, self.seeds.sampling
         self._sampler: Any = (PoissonSampler(n, sampling_rate=b / n, seed=seed, device=self.device)
@@ -82,6 +87,7 @@ class SparseDPEngine(PrivateEngine):
             loss, grads = self.module.per_sample_row_grads(drawn.batch)
             if drawn.units is not None:  # one "sample" of the DP step = one unit's summed gradient
                 grads = units.group_rows(grads, drawn.units.segment, num_units=drawn.units.num_units)
+            grads = preselect_setup.restrict_grads(grads, self.pre)  # dp.preselect: the kept rows only
             res = dp_step(grads, batch_size=b, sampling_rate=self.sampling_rate, clip1=dp.clip1, clip2=dp.clip2,
                           noise_multiplier=dp.noise_multiplier, selector=self.selector,
                           ctx=SelectionContext(epoch=epoch, num_epochs=self.cfg.train.epochs),
