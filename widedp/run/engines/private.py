@@ -23,13 +23,19 @@ class PrivateEngine:
     saved there too (``save_private``), so a resumed run can replay exactly.
     """
 
+    is_writer = True  # this process writes the run's files (the journal); a distributed run's rank 0 alone
+
     def __init__(self, cfg: Config, out: Path, *, device: torch.device, resumed: bool) -> None:
         assert cfg.dp is not None
         self.cfg, self.out, self.device, self.dp = cfg, out, device, cfg.dp
-        self.seeds, self.replayable = rng.run_seeds(out, mode=cfg.dp.rng, seed=cfg.train.seed, resume=resumed)
+        self.seeds, self.replayable = self._run_seeds(resumed=resumed)
         self.rb = run_budget.for_config(cfg)  # what is spent before the first step (the DP vocabulary)
         self.prefix_seed = self.seeds.noise if self.rb.prefix else None
         self.unit_info: dict[str, Any] | None = None
+
+    def _run_seeds(self, *, resumed: bool) -> tuple[rng.RunSeeds, bool]:
+        """The run's seeds and whether it replays exactly (``widedp.dp.rng.run_seeds``)."""
+        return rng.run_seeds(self.out, mode=self.dp.rng, seed=self.cfg.train.seed, resume=resumed)
 
     def _plan(self, *, num_rows: int, n: int) -> None:
         """The privacy plan over ``n`` samples (or units): the ledger, starting with the prefix's entries (``self.rb``,
@@ -47,7 +53,7 @@ class PrivateEngine:
         self.noise_gen.manual_seed(self.seeds.noise)
 
     def start(self) -> dict[str, Any]:
-        if self.rb.prefix:
+        if self.rb.prefix and self.is_writer:
             budget.write_journal(self.out, self.ledger)  # the prefix's spend, before anything derived from it leaves
         return {"dp": {"noise_multiplier": self.dp.noise_multiplier, "selection": self.dp.selection.name,
                        "budget_steps": self.cap}}
@@ -65,7 +71,8 @@ class PrivateEngine:
         the process."""
         pending = accounting.Ledger.from_json(self.ledger.to_json())
         pending.add(self.spend, count=steps if self.cap is None else min(steps, self.cap - self.trained))
-        budget.write_journal(self.out, pending)
+        if self.is_writer:
+            budget.write_journal(self.out, pending)
 
     def _resumed_ledger(self, ckpt: dict[str, Any], *, replayable: bool) -> accounting.Ledger:
         """The checkpoint's ledger, or the journal's when the lost steps cannot be replayed (they stay spent)."""
@@ -79,7 +86,8 @@ class PrivateEngine:
         rng.prune_states(self.out, step)
 
     def close(self) -> None:
-        budget.write_journal(self.out, self.ledger)  # the run is over: what it spent is exactly the ledger
+        if self.is_writer:
+            budget.write_journal(self.out, self.ledger)  # the run is over: what it spent is exactly the ledger
 
     def _dp_summary(self, *, stopped: bool) -> dict[str, Any]:
         """summary.json's ``dp`` keys both engines write (each adds its epsilons)."""
