@@ -32,6 +32,7 @@ class PrivateEngine:
         self.rb = run_budget.for_config(cfg)  # what is spent before the first step (the DP vocabulary)
         self.prefix_seed = self.seeds.noise if self.rb.prefix else None
         self.unit_info: dict[str, Any] | None = None
+        self._journal_floor = 0  # the journal's steps when the run resumed (it is never written lower)
 
     def _run_seeds(self, *, resumed: bool) -> tuple[rng.RunSeeds, bool]:
         """The run's seeds and whether it replays exactly (``widedp.dp.rng.run_seeds``)."""
@@ -53,8 +54,8 @@ class PrivateEngine:
         self.noise_gen.manual_seed(self.seeds.noise)
 
     def start(self) -> dict[str, Any]:
-        if self.rb.prefix and self.is_writer:
-            budget.write_journal(self.out, self.ledger)  # the prefix's spend, before anything derived from it leaves
+        if self.rb.prefix:
+            self._write_journal(self.ledger)  # the prefix's spend, before anything derived from it leaves
         return {"dp": {"noise_multiplier": self.dp.noise_multiplier, "selection": self.dp.selection.name,
                        "budget_steps": self.cap}}
 
@@ -71,13 +72,20 @@ class PrivateEngine:
         the process."""
         pending = accounting.Ledger.from_json(self.ledger.to_json())
         pending.add(self.spend, count=steps if self.cap is None else min(steps, self.cap - self.trained))
-        if self.is_writer:
-            budget.write_journal(self.out, pending)
+        self._write_journal(pending)
+
+    def _write_journal(self, ledger: accounting.Ledger) -> None:
+        """Write the journal (the writer alone), never lowering it: a resumed run that replays its lost steps
+        exactly spends again only what the journal already holds, so until it passes the journal's high-water mark
+        the journal stays (a second crash, then a resume without ``private/``, must still count those steps)."""
+        if self.is_writer and ledger.steps >= self._journal_floor:
+            budget.write_journal(self.out, ledger)
 
     def _resumed_ledger(self, ckpt: dict[str, Any], *, replayable: bool) -> accounting.Ledger:
         """The checkpoint's ledger, or the journal's when the lost steps cannot be replayed (they stay spent)."""
-        return budget.resumed_ledger(accounting.Ledger.from_json(ckpt["ledger"]), budget.read_journal(self.out),
-                                     replayable=replayable)
+        journal = budget.read_journal(self.out)
+        self._journal_floor = journal.steps if journal is not None else 0
+        return budget.resumed_ledger(accounting.Ledger.from_json(ckpt["ledger"]), journal, replayable=replayable)
 
     def epsilons(self) -> dict[str, Any]:
         return run_summary.epoch_epsilons(self.dp, self.ledger, self.rb)
@@ -86,8 +94,7 @@ class PrivateEngine:
         rng.prune_states(self.out, step)
 
     def close(self) -> None:
-        if self.is_writer:
-            budget.write_journal(self.out, self.ledger)  # the run is over: what it spent is exactly the ledger
+        self._write_journal(self.ledger)  # the run is over: what it spent is exactly the ledger
 
     def _dp_summary(self, *, stopped: bool) -> dict[str, Any]:
         """summary.json's ``dp`` keys both engines write (each adds its epsilons)."""
