@@ -113,6 +113,12 @@ class ShardedCBOW(nn.Module):
                             torch.arange(B, device=h.device).repeat_interleave(L)[out_keep]])
         return loss, coalesce(values, rows, sample, B, self.num_rows)
 
+    def per_sample_rows(self, batch: CBOWBatch) -> tuple[Tensor, PerSampleRows, Tensor]:
+        """As ``ShardedRecsys.per_sample_rows`` (what ``distributed_dp_step`` takes): loss [B], the per-sample
+        gradients of own rows, and the MLP rows' [B, 0, D] (a CBOW has none)."""
+        loss, rows = self.per_sample_row_grads(batch)
+        return loss, rows, rows.values.new_zeros(len(batch), 0, self.dim)
+
 
 def _sign(scores: Tensor) -> Tensor:
     """[L] (-1, +1, ..., +1): -log sigma(x) = softplus(-x) for the target, softplus(x) for the negatives."""

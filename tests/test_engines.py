@@ -8,13 +8,14 @@ from widedp.config import config_from_dict
 from widedp.run.engines import Engine, make_engine
 from widedp.run.engines.opacus_baseline import OpacusEngine
 from widedp.run.engines.plain import NonPrivateEngine
+from widedp.run.engines.sharded import ShardedDPEngine
 from widedp.run.engines.sparse import SparseDPEngine
 
 
 def test_engines_implement_the_protocol():
     methods = {n for n, v in inspect.getmembers(Engine, inspect.isfunction) if not n.startswith("_")}
     assert {"setup", "sample", "step", "state_dict", "load_state_dict", "report"} <= methods
-    for cls in (NonPrivateEngine, SparseDPEngine, OpacusEngine):
+    for cls in (NonPrivateEngine, SparseDPEngine, OpacusEngine, ShardedDPEngine):
         missing = [m for m in methods if not callable(getattr(cls, m, None))]
         assert not missing, (cls.__name__, missing)
 

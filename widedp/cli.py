@@ -2,6 +2,7 @@
 
     widedp train CONFIG [--out DIR] [--set key=value ...]     train (non-private or DP, from the YAML)
     widedp train --resume DIR                                  continue a run after a crash or kill -9
+    widedp train CONFIG --nproc N                              on N processes, tables row-sharded (also torchrun)
     widedp train CONFIG --out DIR --overwrite                  replace the run in DIR (never done silently)
     widedp epsilon CONFIG [--set ...]                          the privacy a config would spend, as JSON
     widedp export RUN_DIR [--format word2vec|torch] [--out DIR] the release: weights, vocab, privacy statement
@@ -51,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--overwrite", action="store_true",
                    help="replace a run already in --out (its checkpoint, metrics and spent-budget journal are deleted)")
+    t.add_argument("--nproc", type=int, metavar="N",
+                   help="train on N local processes, the embedding tables row-sharded across them (as torchrun "
+                        "--standalone --nproc_per_node=N -m widedp train ...); resume on the same N")
     e = sub.add_parser("epsilon", help="print the privacy a config would spend (JSON), without training")
     e.add_argument("config")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -102,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         tune_malloc()  # before the first large allocation (widedp.allocator)
         return _run(args)
     except ConfigError as e:
-        print(f"widedp: error: {e}", file=sys.stderr)
+        from widedp.run import ranks
+
+        if ranks.reports_errors():  # (on several processes rank 0 says it: the ranks raise the same error)
+            print(f"widedp: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("widedp: interrupted (the last checkpoint and the spent-budget journal are kept)", file=sys.stderr)
@@ -115,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.cmd == "train":
         from widedp.config import load_config
+        from widedp.run import ranks
         from widedp.run.train import default_out, train
         from widedp.tasks import get_task
 
@@ -129,7 +137,21 @@ def _run(args: argparse.Namespace) -> int:
             cfg = load_config(args.config, args.overrides)
             run_dir = Path(args.out) if args.out else default_out(args.config)
         progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
-        summary = train(cfg, run_dir, resume=bool(args.resume), progress=progress, overwrite=args.overwrite)
+        if args.nproc is not None and args.nproc != 1:
+            from widedp.run.launch import launch
+
+            return launch(args.nproc, _train_argv(args))
+        if ranks.env_world() > 1:  # one rank of torchrun's (or --nproc's) processes
+            ranks.init(cfg.train.device)
+            try:
+                summary = ranks.train(cfg, run_dir, resume=bool(args.resume), progress=progress,
+                                      overwrite=args.overwrite)
+            finally:
+                ranks.close()
+            if not ranks.reports_errors():
+                return 0  # rank 0 reports
+        else:
+            summary = train(cfg, run_dir, resume=bool(args.resume), progress=progress, overwrite=args.overwrite)
         keys = ("train_loss", "valid_loss", "test_loss", "steps", "samples_per_s") + get_task(cfg.task).summary_keys
         print(json.dumps({k: summary.get(k) for k in keys} | {"run_dir": str(run_dir)}
                          | ({"epsilon": summary["dp"]["epsilon"]} if summary.get("dp") else {})
@@ -164,6 +186,14 @@ def _run(args: argparse.Namespace) -> int:
         print((out / "results.md").read_text(), end="")
         return 0
     raise AssertionError(args.cmd)  # pragma: no cover
+
+
+def _train_argv(args: argparse.Namespace) -> list[str]:
+    """``widedp train`` arguments of ``args`` without --nproc (what each launched rank runs)."""
+    argv = ["train", *([args.config] if args.config else []), *(["--out", args.out] if args.out else [])]
+    argv += [a for kv in args.overrides for a in ("--set", kv)]
+    argv += (["--resume", args.resume] if args.resume else []) + (["--overwrite"] if args.overwrite else [])
+    return argv + (["--no-progress"] if args.no_progress else [])
 
 
 def _run_config(run_dir: Path) -> Config:

@@ -16,9 +16,10 @@ One step (``ShardedRecsys.per_sample_rows`` then ``distributed_dp_step``):
 1. partial pooled embeddings from own rows -> all_reduce(SUM): every rank has the full pooled [B, F, D];
 2. the head (closed form, ``widedp.models.recsys.head_grads``) runs on every rank: identical loss, pooled
    gradients and per-sample MLP gradients everywhere (redundant MLP compute, no communication);
-3. per-sample rows of OWN rows only; each sample's norm (``widedp.dp.clipping.SampleNorms``: scale = all_reduce(MAX)
-   of the parts' scales, sumsq = all_reduce(own parts) + its MLP part) is its FULL gradient's across shards, so
-   the S1 clip, and the zeroing of a sample with a NaN or an inf in any shard, match the single process;
+3. per-sample rows of OWN rows only; the MLP rows of samples [rB/W, (r+1)B/W) only (rank r of W: the MLP work is
+   split by samples); each sample's norm (``widedp.dp.clipping.SampleNorms``: scale = all_reduce(MAX) of the parts'
+   scales, sumsq = all_reduce(the parts)) is its FULL gradient's across shards, so the S1 clip, and the zeroing of
+   a sample with a NaN or an inf in any shard, match the single process;
 4. selection over the embedding rows. Exponential mechanism: each rank perturbs its own rows' scores with Gumbel
    keys from its own generator (its untouched rows through the order-statistics trick over its own rows), keeps
    its local top k, all_gathers the k candidates; the top k of the union is the top k of independent Gumbel keys
@@ -26,8 +27,9 @@ One step (``ShardedRecsys.per_sample_rows`` then ``distributed_dp_step``):
    are all_gathered and every rank runs the same selector with a generator seeded identically on all ranks (the
    same selection as a single process with that seed). Count and contribution scores are exact per shard (each
    row has one owner); a contribution's normaliser |rows_j| is all_reduced over the shards first;
-5. Δ̂'s S2 clip uses the all_reduced norm; each selected row's noise is drawn once, by its owner (rank 0 for the
-   MLP rows, broadcast so the replicas stay equal); the spend is the single-process ``StepSpend``.
+5. the MLP rows' ĝ (each rank's samples' clipped sum) and Δ̂'s squared norm are all_reduced in one call; the S2
+   clip uses that norm; each selected row's noise is drawn once, by its owner (rank 0 for the MLP rows, broadcast
+   so the replicas stay equal); the spend is the single-process ``StepSpend``.
 """
 
 from __future__ import annotations
@@ -290,17 +292,27 @@ def distributed_dp_step(local: PerSampleRows, g_dense: Tensor, shard: RowShard, 
         shared_generator: seeded identically on every rank (data-independent and gathered selections).
     """
     R, A, D = shard.num_rows, shard.num_dense_rows, g_dense.shape[2]
-    B = g_dense.shape[0]
-    dense = PerSampleRows(g_dense.reshape(B * A, D), torch.arange(R, R + A, device=g_dense.device).repeat(B),
-                          torch.arange(B + 1, device=g_dense.device) * A, R + A)  # the MLP rows, replicated
-    scale = torch.maximum(sample_scale(local), sample_scale(dense))  # [B]; +inf: a non-finite entry
+    B, dev = g_dense.shape[0], g_dense.device
+    # The MLP rows are the same on every rank: rank r takes samples [lo, hi) of them (one flat row per sample)
+    # into the norms and the clipped sum, so each sample's MLP part is counted once and the work is split.
+    lo, hi = B * shard.rank // shard.world, B * (shard.rank + 1) // shard.world
+    dense = PerSampleRows(g_dense[lo:hi].reshape(hi - lo, A * D), torch.zeros(hi - lo, dtype=torch.long, device=dev),
+                          torch.arange(hi - lo + 1, device=dev), 1)
+    scale = sample_scale(local)  # [B]; +inf: a non-finite entry
+    if A:
+        scale[lo:hi] = torch.maximum(scale[lo:hi], sample_scale(dense))
     dist.all_reduce(scale, op=dist.ReduceOp.MAX)
     sumsq = sample_sumsq(local, scale)  # [B] own parts
+    if A:
+        sumsq[lo:hi] += sample_sumsq(dense, scale[lo:hi])
     dist.all_reduce(sumsq)
-    norms = SampleNorms(scale, sumsq + sample_sumsq(dense, scale))  # the MLP part, counted once
+    norms = SampleNorms(scale, sumsq)
     clipped, clip = clip_per_sample(local, clip1=clip1, norms=norms)
     touched, ghat = aggregate(clipped, batch_size=batch_size)
-    ghat_dense = clip_per_sample(dense, clip1=clip1, norms=norms)[0].values.view(B, A, D).sum(0) / batch_size
+    ghat_dense = g_dense.new_zeros(A, D)  # this rank's samples' part until the all_reduce below
+    if A:
+        mine = clip_per_sample(dense, clip1=clip1, norms=SampleNorms(scale[lo:hi], sumsq[lo:hi]))[0]
+        ghat_dense = mine.values.sum(0).view(A, D) / batch_size
 
     kind = selector.score_kind
     sample_rows = None
@@ -323,8 +335,9 @@ def distributed_dp_step(local: PerSampleRows, g_dense: Tensor, shard: RowShard, 
                               generator=shared_generator)
     own_sel = sel.index_select(0, shard.is_own(sel).nonzero().squeeze(1))
     delta, _ = restrict(touched, ghat, own_sel)
-    sq2 = delta.square().sum().reshape(1)
-    dist.all_reduce(sq2)
+    parts = torch.cat([delta.square().sum().reshape(1).to(ghat_dense.dtype), ghat_dense.reshape(-1)])
+    dist.all_reduce(parts)  # Δ̂'s squared norm over the shards, and the MLP rows' ĝ over the samples
+    sq2, ghat_dense = parts[:1], parts[1:].view(A, D)
     d2 = sensitivity(clip1=clip1, clip2=clip2, batch_size=batch_size)
     if clip2 is not None:
         f2 = ((sq2 + ghat_dense.square().sum()).sqrt() / clip2).clamp_(min=1.0).reciprocal_()

@@ -34,7 +34,7 @@ from widedp.errors import ConfigError
 PRIVATE_DIR = "private"
 SEEDS_FILE = "seeds.json"
 RngMode = Literal["secure", "reproducible"]
-_STATE_RE = re.compile(r"^rng-(\d+)\.pt$")
+_STATE_RE = re.compile(r"^rng-(\d+)(?:-rank(\d+))?\.pt$")
 
 #: Why a reproducible run is not private (every output of such a run says so).
 NOT_PRIVATE = ("the randomness is 'reproducible': sampling, selection and noise are derived from train.seed in "
@@ -129,29 +129,36 @@ def run_seeds(run_dir: Path, *, mode: RngMode, seed: int, resume: bool) -> tuple
     return seeds, mode == "reproducible" and resume
 
 
-def save_states(run_dir: Path, step: int, states: dict[str, torch.Tensor]) -> None:
-    """Save generator states (``Generator.get_state()``) as of ``step``; call BEFORE writing the checkpoint."""
+def _state_file(step: int, rank: int | None) -> str:
+    """``rng-STEP.pt``, or ``rng-STEP-rankR.pt`` for rank R of a distributed run (``widedp.run.ranks``)."""
+    return f"rng-{step}.pt" if rank is None else f"rng-{step}-rank{rank}.pt"
+
+
+def save_states(run_dir: Path, step: int, states: dict[str, torch.Tensor], *, rank: int | None = None) -> None:
+    """Save generator states (``Generator.get_state()``) as of ``step`` (``rank``: one rank's of a distributed
+    run); call BEFORE writing the checkpoint."""
     import io
 
     buf = io.BytesIO()
     torch.save({"step": step, "states": {k: v.cpu() for k, v in states.items()}}, buf)
-    _write_private(private_dir(run_dir) / f"rng-{step}.pt", buf.getvalue())
+    _write_private(private_dir(run_dir) / _state_file(step, rank), buf.getvalue())
 
 
-def prune_states(run_dir: Path, keep_step: int) -> None:
-    """Delete the saved states of other steps; call AFTER the checkpoint of ``keep_step`` is written."""
+def prune_states(run_dir: Path, keep_step: int, *, rank: int | None = None) -> None:
+    """Delete the saved states (of ``rank``) of other steps; call AFTER the checkpoint of ``keep_step`` is
+    written."""
     d = run_dir / PRIVATE_DIR
     if not d.is_dir():
         return
     for p in d.iterdir():
         m = _STATE_RE.match(p.name)
-        if m and int(m.group(1)) != keep_step:
+        if m and int(m.group(1)) != keep_step and m.group(2) == (None if rank is None else str(rank)):
             p.unlink(missing_ok=True)
 
 
-def load_states(run_dir: Path, step: int) -> dict[str, torch.Tensor] | None:
-    """The generator states saved for ``step`` (None when there are none: no exact replay)."""
-    path = run_dir / PRIVATE_DIR / f"rng-{step}.pt"
+def load_states(run_dir: Path, step: int, *, rank: int | None = None) -> dict[str, torch.Tensor] | None:
+    """The generator states saved for ``step`` (of ``rank``; None when there are none: no exact replay)."""
+    path = run_dir / PRIVATE_DIR / _state_file(step, rank)
     if not path.is_file():
         return None
     try:

@@ -9,11 +9,17 @@ The run directory it writes: config.yaml (resolved), metrics.jsonl, summary.json
 task's files (vocab.json, features.json, ...), and with DP spent.json (the privacy ledger journal) and private/ (the
 secret seeds and generator states that resume needs; mode 0700). The run directory is private working state:
 metrics.jsonl, summary.json and loss.png hold non-private statistics of the training batches.
+
+On several processes (``widedp.run.ranks``) every rank runs this loop; the engine's ``is_writer`` (rank 0) writes
+the run's files, the other ranks build into a scratch folder and write only their own shards and generator states
+(``widedp.run.shards``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +30,7 @@ from tqdm import tqdm
 
 from widedp.config import Config
 from widedp.errors import ConfigError
+from widedp.run import ranks
 from widedp.run import summary as run_summary
 from widedp.run.checkpoint import load_checkpoint, save_checkpoint, write_json
 from widedp.run.engines import Engine, make_engine
@@ -79,12 +86,21 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
     ckpt = load_checkpoint(out, map_location=device) if resume else None
     if ckpt is not None and ckpt["config_hash"] != cfg.hash():
         raise ConfigError(f"{out}: checkpoint was written by a different config (hash {ckpt['config_hash']})")
+    if ckpt is not None and ckpt.get("world_size", 1) != ranks.world():
+        raise ConfigError(f"{out}: trained on {ckpt.get('world_size', 1)} process(es); resume it on as many "
+                          f"(widedp train --resume {out} --nproc {ckpt.get('world_size', 1)}), not {ranks.world()}")
 
     engine = make_engine(cfg, out, device=device, resumed=ckpt is not None)
-    built = task.build(cfg, out, device=device, data=data, noise_seed=engine.prefix_seed)
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    writer = engine.is_writer  # (False: a rank > 0 of a distributed run)
+    if writer:
+        built = task.build(cfg, out, device=device, data=data, noise_seed=engine.prefix_seed)
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    else:  # the task's files are rank 0's to write
+        with tempfile.TemporaryDirectory(prefix="widedp-rank-") as scratch:
+            built = task.build(cfg, Path(scratch), device=device, data=data, noise_seed=engine.prefix_seed)
     engine.setup(built, task)
-    task.warn(cfg)  # (after the setup, so that a config error stays one line)
+    if writer:
+        task.warn(cfg)  # (after the setup, so that a config error stays one line)
     splits, n = built.splits, len(built.splits["train"])
     step, history, elapsed = 0, [], 0.0
     best: dict[str, Any] = {}  # train.keep_best: epoch, valid_loss, model
@@ -93,7 +109,7 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
         engine.load_state_dict(ckpt)
         step, history, elapsed, best = ckpt["step"], ckpt["history"], ckpt["elapsed"], ckpt.get("best", {})
     total, per_epoch = engine.total, engine.per_epoch
-    metrics = (out / "metrics.jsonl").open("a")
+    metrics = (out / "metrics.jsonl").open("a") if writer else open(os.devnull, "w")  # noqa: SIM115
 
     def log(rec: dict[str, Any]) -> None:
         metrics.write(json.dumps(rec) + "\n")
@@ -108,11 +124,12 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
                         model={k: v.detach().clone() for k, v in engine.module.state_dict().items()})
 
     def checkpoint() -> None:
+        engine.save_private(step)  # private/ (and a sharded run's shards), before the checkpoint
         state = {"model": engine.module.state_dict(), "step": step, "history": history,
                  "elapsed": elapsed + time.perf_counter() - t0 - aside, "config_hash": cfg.hash(), "best": best,
                  **engine.state_dict()}
-        engine.save_private(step)  # private/, before the checkpoint
-        save_checkpoint(out, state)
+        if writer:
+            save_checkpoint(out, state)
         engine.prune_private(step)
 
     if ckpt is None:
@@ -175,15 +192,16 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
     if rep.dp is not None:
         summary["dp"] = rep.dp
     engine.eval_model()  # the task's model holds the final weights
-    final = task.finish(cfg, out, built)
+    final = task.finish(cfg, out, built) if writer else {}
     if final:
         summary.update(final)
         log({"kind": "eval", "step": step, **final})
     metrics.close()
     summary["wall_s"] = wall + aside + setup_s  # training + evaluation + checkpoints + setup
-    write_json(out / "summary.json", summary)
-    plot_losses(history, out / "loss.png", title=rep.title)
-    if stopped_by_budget:
+    if writer:
+        write_json(out / "summary.json", summary)
+        plot_losses(history, out / "loss.png", title=rep.title)
+    if stopped_by_budget and writer:
         print(f"widedp: stopped at step {step}: the next step would exceed dp.target_epsilon="
               f"{engine.dp.target_epsilon} (checkpoint saved in {out})")  # type: ignore[union-attr]
     return summary

@@ -63,6 +63,9 @@ class LoopTask:
         raise ConfigError(f"dp.engine: opacus is the DP-SGD baseline of task cbow; task {self.name} trains with "
                           "dp.engine: widedp")
 
+    def shard(self, model: Any, rank: int, world: int) -> Any:
+        raise ConfigError(f"task: {self.name} has no sharded model; several processes train tasks cbow and recsys")
+
     def warn(self, cfg: Any) -> None:
         pass
 

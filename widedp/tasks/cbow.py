@@ -165,6 +165,15 @@ class CBOWTask(LoopTask):
 
         return OpacusParts(OpacusCBOW.from_cbow(model), SplitDataset(built.splits["train"]), sync)
 
+    def shard(self, model: CBOW, rank: int, world: int) -> Any:
+        """``ShardedCBOW``: rank ``rank`` of ``world``'s row blocks of the input (and output) table."""
+        from widedp.models.cbow_sharded import ShardedCBOW, cbow_shard
+
+        try:
+            return ShardedCBOW(model, cbow_shard(model, rank, world))
+        except ValueError as e:
+            raise ConfigError(f"data.vocab_size: {e}") from None
+
     def warn(self, cfg: Config) -> None:
         """``data.vocabulary: private_top`` with DP: say on stderr that the vocabulary is not private."""
         if cfg.dp is not None and cfg.data.vocabulary == "private_top":

@@ -85,6 +85,12 @@ class Task(Protocol):
     def opacus(self, cfg: Any, built: Built) -> OpacusParts:
         """The Opacus baseline's module and dataset (``dp.engine: opacus``), or a ConfigError."""
 
+    def shard(self, model: Any, rank: int, world: int) -> Any:
+        """Rank ``rank`` of ``world``'s row blocks of ``model`` (training on several processes,
+        ``widedp.run.engines.sharded``): ``shard`` (a ``widedp.dp.distributed.RowShard``), ``local_tables()``,
+        ``per_sample_rows(batch) -> (loss [B], own rows, MLP grads [B, A, D])``, a collective forward; or a
+        ConfigError."""
+
     def warn(self, cfg: Any) -> None:
         """Warnings on stderr, once the run is set up (a config error stays one line)."""
 

@@ -92,6 +92,15 @@ class RecsysTask(LoopTask):
                 else units.unit_name(cfg, "interactions"))
         return UnitFacts(unit, () if cfg.data.source == "synthetic" else (IDS_NOT_COVERED,))
 
+    def shard(self, model: RecsysModel, rank: int, world: int) -> Any:
+        """``ShardedRecsys``: rank ``rank`` of ``world``'s row block of every table, the MLP rows replicated."""
+        from widedp.dp.distributed import ShardedRecsys, shard_of
+
+        try:
+            return ShardedRecsys(model, shard_of(model, rank, world))
+        except ValueError as e:
+            raise ConfigError(f"data: {e}") from None
+
     def finish(self, cfg: Config, out: Path, built: Built) -> dict[str, Any]:
         """AUC, normalised entropy (and BCE) of the final model on the valid and test splits (the first
         ``train.eval_max_samples`` of each, as the losses)."""

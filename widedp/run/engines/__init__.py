@@ -3,6 +3,7 @@
     NonPrivateEngine   autograd and a torch optimizer on shuffled batches          (no ``dp:`` section)
     SparseDPEngine     widedp's DP step (``widedp.dp.step.dp_step``) on Poisson batches  (``dp.engine: widedp``)
     OpacusEngine       Opacus' DP-SGD on the task's Opacus model, the baseline     (``dp.engine: opacus``)
+    ShardedDPEngine    widedp's DP step over row-sharded tables, one rank of several (torchrun, ``--nproc``)
 
 Life of an engine: ``make_engine`` (checks the config; the DP engines draw or load the run's secret seeds in
 RUN/private/ and know what is spent before the first step), ``setup(built, task)`` (optimizer, sampler, the privacy
@@ -26,6 +27,12 @@ __all__ = ["Drawn", "Engine", "Report", "StepOutput", "make_engine"]
 
 def make_engine(cfg: Config, out: Path, *, device: torch.device, resumed: bool) -> Engine:
     """The engine ``cfg`` asks for (module docstring); ``resumed``: the run continues from a checkpoint."""
+    from widedp.run import ranks
+
+    if ranks.world() > 1:  # one rank of a distributed run (``widedp.run.ranks``)
+        from widedp.run.engines.sharded import ShardedDPEngine
+
+        return ShardedDPEngine(cfg, out, device=device, resumed=resumed)
     if cfg.dp is None:
         from widedp.run.engines.plain import NonPrivateEngine
 

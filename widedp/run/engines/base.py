@@ -49,6 +49,7 @@ class Engine(Protocol):
     per_epoch: int
     total: int
     unit_info: dict[str, Any] | None  # summary.json's "units"
+    is_writer: bool  # this process writes the run's files (a distributed run's rank 0; ``widedp.run.ranks``)
 
     def setup(self, built: Built, task: Task) -> None: ...
 

@@ -23,6 +23,7 @@ class NonPrivateEngine:
     dp = None
     prefix_seed = None
     unit_info = None
+    is_writer = True
 
     def __init__(self, cfg: Config, *, device: torch.device) -> None:
         tc = cfg.train

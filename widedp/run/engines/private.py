@@ -23,15 +23,22 @@ class PrivateEngine:
     saved there too (``save_private``), so a resumed run can replay exactly.
     """
 
+    is_writer = True  # this process writes the run's files (the journal); a distributed run's rank 0 alone
+
     def __init__(self, cfg: Config, out: Path, *, device: torch.device, resumed: bool) -> None:
         assert cfg.dp is not None
         self.cfg, self.out, self.device, self.dp, self.resumed = cfg, out, device, cfg.dp, resumed
-        self.seeds, self.replayable = rng.run_seeds(out, mode=cfg.dp.rng, seed=cfg.train.seed, resume=resumed)
+        self.seeds, self.replayable = self._run_seeds(resumed=resumed)
         # what is spent before the first step: the DP vocabulary (released by the task's build, with the seed below)
         # and the row pre-selection (drawn by the engine's setup)
         self.rb = run_budget.for_config(cfg)
         self.prefix_seed = self.seeds.noise if self.rb.vocabulary else None
         self.unit_info: dict[str, Any] | None = None
+        self._journal_floor = 0  # the journal's steps when the run resumed (it is never written lower)
+
+    def _run_seeds(self, *, resumed: bool) -> tuple[rng.RunSeeds, bool]:
+        """The run's seeds and whether it replays exactly (``widedp.dp.rng.run_seeds``)."""
+        return rng.run_seeds(self.out, mode=self.dp.rng, seed=self.cfg.train.seed, resume=resumed)
 
     def _plan(self, *, num_rows: int, n: int) -> None:
         """The privacy plan over ``n`` samples (or units): the ledger, starting with the prefix's entries (``self.rb``,
@@ -50,7 +57,7 @@ class PrivateEngine:
 
     def start(self) -> dict[str, Any]:
         if self.rb.prefix:
-            budget.write_journal(self.out, self.ledger)  # the prefix's spend, before anything derived from it leaves
+            self._write_journal(self.ledger)  # the prefix's spend, before anything derived from it leaves
         return {"dp": {"noise_multiplier": self.dp.noise_multiplier, "selection": self.dp.selection.name,
                        "budget_steps": self.cap}}
 
@@ -67,12 +74,20 @@ class PrivateEngine:
         the process."""
         pending = accounting.Ledger.from_json(self.ledger.to_json())
         pending.add(self.spend, count=steps if self.cap is None else min(steps, self.cap - self.trained))
-        budget.write_journal(self.out, pending)
+        self._write_journal(pending)
+
+    def _write_journal(self, ledger: accounting.Ledger) -> None:
+        """Write the journal (the writer alone), never lowering it: a resumed run that replays its lost steps
+        exactly spends again only what the journal already holds, so until it passes the journal's high-water mark
+        the journal stays (a second crash, then a resume without ``private/``, must still count those steps)."""
+        if self.is_writer and ledger.steps >= self._journal_floor:
+            budget.write_journal(self.out, ledger)
 
     def _resumed_ledger(self, ckpt: dict[str, Any], *, replayable: bool) -> accounting.Ledger:
         """The checkpoint's ledger, or the journal's when the lost steps cannot be replayed (they stay spent)."""
-        return budget.resumed_ledger(accounting.Ledger.from_json(ckpt["ledger"]), budget.read_journal(self.out),
-                                     replayable=replayable)
+        journal = budget.read_journal(self.out)
+        self._journal_floor = journal.steps if journal is not None else 0
+        return budget.resumed_ledger(accounting.Ledger.from_json(ckpt["ledger"]), journal, replayable=replayable)
 
     def epsilons(self) -> dict[str, Any]:
         return run_summary.epoch_epsilons(self.dp, self.ledger, self.rb)
@@ -81,7 +96,7 @@ class PrivateEngine:
         rng.prune_states(self.out, step)
 
     def close(self) -> None:
-        budget.write_journal(self.out, self.ledger)  # the run is over: what it spent is exactly the ledger
+        self._write_journal(self.ledger)  # the run is over: what it spent is exactly the ledger
 
     def _dp_summary(self, *, stopped: bool) -> dict[str, Any]:
         """summary.json's ``dp`` keys both engines write (each adds its epsilons)."""

@@ -57,7 +57,7 @@ class SparseDPEngine(PrivateEngine):
                                          noise_seed=self.seeds.noise, resume=self.resumed)  # kept in RUN/private/
         self.selector = preselect_setup.restrict_selector(
             make_selector(self.dp.selection, num_rows=self.module.num_rows), self.pre)
-        self.optimizer = task.row_optimizer(cfg, self.module)
+        self.optimizer = self._row_optimizer(task)
         b, seed = cfg.train.batch_size, self.seeds.sampling
         self._sampler: Any = (PoissonSampler(n, sampling_rate=b / n, seed=seed, device=self.device)
                               if self.grouped is None else
@@ -70,6 +70,9 @@ class SparseDPEngine(PrivateEngine):
                 self.unit_info.update({"max_samples_per_unit": self.grouped.cap,
                                        "samples_dropped_by_cap": self.grouped.dropped})
             self.unit_info.update(built.notes)
+
+    def _row_optimizer(self, task: Task) -> Any:
+        return task.row_optimizer(self.cfg, self.module)
 
     def start(self) -> dict[str, Any]:
         return {"n_units": self.n_draw if self.grouped is not None else None, **super().start()}

@@ -1,0 +1,155 @@
+"""widedp's DP engine on several processes (``widedp.run.ranks``): embedding tables row-sharded across the ranks.
+
+The task's model is cut into row blocks (``Task.shard``: CBOW -> ``ShardedCBOW``, recsys -> ``ShardedRecsys``);
+each step is ``widedp.dp.distributed.distributed_dp_step`` then ``apply_update`` (that module's docstring says how
+the work is shared). What makes it the single-process run's DP step:
+
+- ONE Poisson batch: every rank draws it from the same sampling seed (the same q, the same expected size b); each
+  rank's share of the work is the (sample, row) pairs of the rows it owns, and each sample's norm is summed over
+  the ranks, so the S1 clip, the sensitivity and the accountant's q are the single process's;
+- selection: the exponential mechanism's top-k is exact across the shards (every rank's own Gumbel keys); the
+  other selectors run on the all_gathered (touched, score) pairs with a generator all ranks share;
+- noise: each selected row's noise is drawn once, by its owner, with the owner's own generator;
+- the ledger is the single process's (``PrivateEngine``); rank 0 writes the journal and the run's files.
+
+Secrets: rank 0 draws (or, on resume, reads) the run's seeds (``widedp.dp.rng``) and sends them to the other ranks
+over the process group; each rank's generator is seeded from a secret derivation of the noise seed and its rank,
+the shared one from another; every rank saves its generators' states in RUN/private/ at checkpoints
+(``rng-STEP-rankR.pt``) and its shard in RUN/shards/ (``widedp.run.shards``).
+
+Refused (one-line errors naming the key): ``dp.engine: opacus``, privacy units other than one sample
+(``data.privacy_unit``), ``data.vocabulary: dp``, ``dp.preselect``, ``train.keep_best``, tasks without a sharded
+model (``module``), and a run without a ``dp:`` section (``widedp.run.engines.make_engine``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from widedp.config import Config
+from widedp.dp import rng, units
+from widedp.dp.distributed import apply_update, distributed_dp_step
+from widedp.dp.optim import make_row_optimizer
+from widedp.dp.selection import SelectionContext
+from widedp.errors import ConfigError
+from widedp.run import ranks, shards
+from widedp.run.engines.base import Drawn, StepOutput
+from widedp.run.engines.sparse import SparseDPEngine
+from widedp.tasks.protocol import Built, Task
+
+_MODES = ("secure", "reproducible")
+
+
+def check_shardable(cfg: Config) -> None:
+    """ConfigError for what the sharded engine does not train (module docstring)."""
+    dp = cfg.dp
+    if dp is None:
+        raise ConfigError("dp: training on several processes is for DP runs (widedp's sharded DP step); train a "
+                          "non-private config on one process")
+    if dp.engine != "widedp":
+        raise ConfigError(f"dp.engine: {dp.engine} runs on one process; several processes need dp.engine: widedp")
+    if not units.is_per_sample(cfg):
+        raise ConfigError(f"data.privacy_unit: {units.privacy_unit(cfg)} is not available on several processes "
+                          "(one sample per unit only: pair, interaction)")
+    if getattr(cfg.data, "vocabulary", None) == "dp":
+        raise ConfigError("data.vocabulary: dp is not available on several processes; use file:PATH or top")
+    if dp.preselect is not None:
+        raise ConfigError("dp.preselect: not available on several processes")
+    if cfg.train.keep_best:
+        raise ConfigError("train.keep_best: not available on several processes")
+
+
+class ShardedDPEngine(SparseDPEngine):
+    """``SparseDPEngine`` over row-sharded tables (module docstring). ``module`` is the task's full model: rank 0's
+    receives every rank's blocks at each checkpoint (checkpoint.pt and ``widedp export`` hold the full model);
+    training and evaluation use ``sharded``."""
+
+    def __init__(self, cfg: Config, out: Path, *, device: torch.device, resumed: bool) -> None:
+        check_shardable(cfg)
+        self.rank, self.world = ranks.rank(), ranks.world()
+        self.is_writer = self.rank == 0
+        super().__init__(cfg, out, device=device, resumed=resumed)
+
+    def _run_seeds(self, *, resumed: bool) -> tuple[rng.RunSeeds, bool]:
+        """Rank 0's seeds (drawn, or read from RUN/private/ on resume), broadcast over the process group."""
+        mine = None
+        if self.rank == 0:
+            seeds, replayable = super()._run_seeds(resumed=resumed)
+            mine = [seeds.sampling, seeds.noise, _MODES.index(seeds.mode), int(replayable)]
+        sampling, noise, mode, replayable = ranks.broadcast_ints(mine, count=4, device=self.device)
+        return rng.RunSeeds(sampling=sampling, noise=noise, mode=_MODES[mode]), bool(replayable)
+
+    def setup(self, built: Built, task: Task) -> None:
+        self.sharded = task.shard(built.model, self.rank, self.world)
+        super().setup(built, task)
+        self._stats = torch.zeros(2, device=self.device)  # rows selected, non-finite samples
+        self.noise_gen.manual_seed(ranks.derive_seed(self.seeds.noise, f"rank{self.rank}"))  # this rank's own
+        self.shared_gen = torch.Generator(device=self.device)  # the same on every rank
+        self.shared_gen.manual_seed(ranks.derive_seed(self.seeds.noise, "shared"))
+
+    def _row_optimizer(self, task: Task) -> Any:
+        tc = self.cfg.train
+        return make_row_optimizer(tc.optimizer, self.sharded.local_tables(), lr=tc.lr, betas=tc.betas, eps=tc.eps)
+
+    def step(self, drawn: Drawn, epoch: int) -> StepOutput:
+        dp, b = self.dp, self.cfg.train.batch_size
+        with torch.inference_mode():
+            loss, local, g_dense = self.sharded.per_sample_rows(drawn.batch)
+            res = distributed_dp_step(local, g_dense, self.sharded.shard, batch_size=b,
+                                      sampling_rate=self.sampling_rate, clip1=dp.clip1, clip2=dp.clip2,
+                                      noise_multiplier=dp.noise_multiplier, selector=self.selector,
+                                      ctx=SelectionContext(epoch=epoch, num_epochs=self.cfg.train.epochs),
+                                      generator=self.noise_gen, shared_generator=self.shared_gen)
+            apply_update(self.sharded, self.optimizer, res.grad)
+            self._stats += torch.stack([self._stats.new_tensor(float(res.selected.numel())),
+                                        res.nonfinite.to(self._stats.dtype)])
+        self.ledger.add(res.spend)
+        return StepOutput(torch.where(torch.isfinite(loss), loss, 0.0).sum())
+
+    def interval_stats(self, steps: int, step: int) -> dict[str, Any]:
+        rows, nonfinite = self._stats.tolist()
+        self._stats.zero_()
+        return {"rows_selected": rows / steps, **self._nonfinite_stats(int(nonfinite), step)}
+
+    def eval_model(self) -> Any:
+        return self.sharded  # its forward is a collective: every rank evaluates
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ledger": self.ledger.to_json(), "world_size": self.world}  # (the optimizer is in the shards)
+
+    def load_state_dict(self, ckpt: dict[str, Any]) -> None:
+        step = ckpt["step"]
+        doc, error = shards.load_shard(self.out, step=step, rank=self.rank, world=self.world, device=self.device)
+        ranks.agree(error)
+        try:
+            self.sharded.load_state_dict(doc["model"])
+            self.optimizer.load_state_dict(doc["optimizer"])
+            error = None
+        except (ConfigError, KeyError, RuntimeError) as e:
+            error = f"{shards.shard_path(self.out, step=step, rank=self.rank)}: does not fit this run ({e})"
+        ranks.agree(" ".join(error.split()) if error else None)
+        states = rng.load_states(self.out, step, rank=self.rank) if self.replayable else None
+        replay = torch.tensor([int(states is not None)], device=self.device)
+        dist.all_reduce(replay, op=dist.ReduceOp.MIN)  # exact replay only when every rank has its states
+        if replay.item():
+            self.noise_gen.set_state(states["noise"])
+            self.shared_gen.set_state(states["shared"])
+        self.ledger = self._resumed_ledger(ckpt, replayable=bool(replay.item()))
+        dist.barrier()  # every rank has read the journal before rank 0 writes it again
+
+    def save_private(self, step: int) -> None:
+        rng.save_states(self.out, step, {"noise": self.noise_gen.get_state(), "shared": self.shared_gen.get_state()},
+                        rank=self.rank)
+        shards.save_shard(self.out, {"model": self.sharded.state_dict(), "optimizer": self.optimizer.state_dict()},
+                          step=step, rank=self.rank, world=self.world)
+        shards.gather_tables(self.module.row_tables(), self.sharded.local_tables(), self.sharded.shard)
+        dist.barrier()  # every rank's files of ``step`` are written before checkpoint.pt names it
+
+    def prune_private(self, step: int) -> None:
+        dist.barrier()  # checkpoint.pt of ``step`` is written before anyone deletes the files of the last one
+        rng.prune_states(self.out, step, rank=self.rank)
+        shards.prune_shards(self.out, step, rank=self.rank)

@@ -1,0 +1,106 @@
+"""``widedp train`` on several processes: the process group, who writes what, and agreement between the ranks.
+
+    torchrun --standalone --nproc_per_node=2 -m widedp train CONFIG --out RUN
+    widedp train CONFIG --out RUN --nproc 2          # the same, launched by widedp (``widedp.run.launch``)
+
+A run is distributed when torchrun's environment says WORLD_SIZE > 1. Every rank then runs the one loop
+(``widedp.run.loop``) with the sharded DP engine (``widedp.run.engines.sharded``): the same Poisson batch, the
+same collectives in the same order. Rank 0 alone locks and prepares the run directory, writes the run's files
+(config.yaml, metrics.jsonl, spent.json, checkpoint.pt, summary.json, loss.png, private/seeds.json) and reports
+errors; every rank writes its own shard file and its own generator states. A ``ConfigError`` is printed by rank 0
+only, so what one rank alone can see (its shard file, its generator state) is first agreed on (``agree``): every
+rank then raises the same error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from widedp.errors import ConfigError
+
+
+def env_world() -> int:
+    """The world size torchrun (or ``widedp train --nproc``) gave this process; 1 outside a launcher."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE: expected an integer, got {os.environ['WORLD_SIZE']!r}") from None
+
+
+def reports_errors() -> bool:
+    """Whether this process prints a ConfigError: every process but the ranks > 0 of a distributed run."""
+    return env_world() <= 1 or os.environ.get("RANK", "0") == "0"
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def init(device_name: str) -> None:
+    """Join the process group of torchrun's environment: NCCL when ``train.device`` resolves to CUDA (one GPU
+    per local rank), gloo otherwise."""
+    from widedp.run.loop import resolve_device
+
+    device = resolve_device(device_name)
+    if device.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo")
+
+
+def close() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def agree(error: str | None) -> None:
+    """Raise ConfigError(the lowest rank's message) on every rank when any rank has one; a collective."""
+    errors: list[str | None] = [None] * world()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise ConfigError(first)
+
+
+def broadcast_ints(values: list[int] | None, *, count: int, device: torch.device) -> list[int]:
+    """Rank 0's ``values`` (``count`` int64s) on every rank, sent over the process group (never a file)."""
+    t = torch.tensor(values if values is not None else [0] * count, dtype=torch.int64, device=device)
+    dist.broadcast(t, src=0)
+    return [int(v) for v in t.tolist()]
+
+
+def derive_seed(secret: int, label: str) -> int:
+    """A 62-bit seed derived from ``secret`` (SHA-256 of it and ``label``): secret as long as ``secret`` is, and
+    different for each label (each rank's own generator, the generator all ranks share)."""
+    digest = hashlib.sha256(f"widedp/{label}/{secret}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
+def train(cfg: Any, out: Path, *, resume: bool, progress: bool, overwrite: bool) -> dict[str, Any]:
+    """``widedp.run.train.train`` in one rank of a distributed run: rank 0 locks and prepares ``out``, then every
+    rank runs the loop. Returns the summary (rank 0's is the one written)."""
+    from widedp.run import loop, rundir
+    from widedp.tasks import AlgorithmTask, get_task
+
+    task = get_task(cfg.task)
+    if isinstance(task, AlgorithmTask):
+        raise ConfigError(f"task: {cfg.task} runs on one process (its own algorithms have no sharded version)")
+    if rank() == 0:
+        with rundir.locked(out):
+            rundir.prepare(out, resume=resume, overwrite=overwrite)
+            dist.barrier()  # the other ranks start once the directory is ready
+            return loop.run(cfg, task, out, resume=resume, progress=progress)
+    dist.barrier()
+    return loop.run(cfg, task, out, resume=resume, progress=False)
