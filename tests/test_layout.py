@@ -32,3 +32,19 @@ def test_pyproject_lists_every_package():
              for p in (ROOT / "widedp").rglob("__init__.py") if p.parent != ROOT / "widedp"}
     found |= {"widedp", "widedp.models", "widedp.data_prep", "widedp.eval"}
     assert found <= listed, found - listed
+
+
+def test_tests_mirror_the_package():
+    """tests/<folder>/test_*.py tests the package folder of the same name (widedp/<folder>, or models/, data_prep/,
+    eval/ served as widedp.models, ...); only this file stays at the top."""
+    misplaced = []
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        rel = path.parent.relative_to(ROOT / "tests")
+        if rel == Path("."):
+            ok = path.name == "test_layout.py"
+        else:
+            ok = (ROOT / "widedp" / rel).is_dir() or (ROOT / rel).is_dir() and rel.parts[0] in ("models", "data_prep",
+                                                                                                 "eval")
+        if not ok:
+            misplaced.append(str(path.relative_to(ROOT)))
+    assert misplaced == []

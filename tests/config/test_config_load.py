@@ -9,7 +9,7 @@ from widedp.config import SELECTIONS, UniformSelectionConfig, config_from_dict, 
 from widedp.config.tools import read_config_file
 from widedp.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXP = str(ROOT / "configs" / "brown_cbow_sparse_exp.yaml")
 
 

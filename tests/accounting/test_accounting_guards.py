@@ -13,7 +13,7 @@ from widedp.cli import main
 from widedp.config import DPConfig, UniformSelectionConfig, load_config
 from widedp.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "paper_theorem3_reference_NOT_A_BOUND"
 
 

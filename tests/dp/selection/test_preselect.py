@@ -1,6 +1,6 @@
 """One-shot DP pre-selection (DP-FEST): contribution totals, the exact law against brute force over all rows (with a
 broken false-positive ranking detected), its spend and the prefix-aware calibration / budget, the restricted selector
-in the step, and the guard (``budget.PRESELECT_WIRED``; training runs it: tests/test_preselect_setup.py)."""
+in the step, and the guard (``budget.PRESELECT_WIRED``; training runs it: tests/run/test_preselect_setup.py)."""
 
 import itertools
 from dataclasses import replace
@@ -101,7 +101,7 @@ def test_wired_and_its_guard(monkeypatch):
                   accountant="rdp", calibrate="noise_multiplier",
                   preselect=PreselectConfig(rows=10, sigma=3.0, threshold=5.0))
     cfg = Config(data=DataConfig(splits=(10_000, 10, 10)), train=TrainConfig(epochs=2, batch_size=100), dp=dp)
-    assert budget.PRESELECT_WIRED  # training runs it (tests/test_preselect_setup.py)
+    assert budget.PRESELECT_WIRED  # training runs it (tests/run/test_preselect_setup.py)
     monkeypatch.setattr(budget, "PRESELECT_WIRED", False)
     with pytest.raises(ConfigError, match="preselect"):
         budget.calibrated(cfg, num_rows=100, n=10_000)

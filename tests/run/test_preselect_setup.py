@@ -1,7 +1,7 @@
 """``dp.preselect`` in training (widedp.run.preselect_setup, drawn in the DP engine's setup): charged once as a
 prefix and composed by hand, rows outside the kept set bit-identical after training, resume equal to an uninterrupted
 run, the secret seed, the restricted per-sample rows and the per-unit contributions against brute force. The
-pre-selection's output law is tests/test_preselect.py's."""
+pre-selection's output law is tests/dp/selection/test_preselect.py's."""
 
 import json
 import math

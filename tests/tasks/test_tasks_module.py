@@ -18,7 +18,7 @@ from widedp.run.train import train
 from widedp.tasks import examples as ex
 
 torch.set_num_threads(1)
-EXAMPLE = Path(__file__).resolve().parents[1] / "configs" / "module_example.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "module_example.yaml"
 SMALL = ["data.kwargs.num_interactions=2500", "train.batch_size=100", "train.epochs=2", "train.log_every=8"]
 
 

@@ -4,7 +4,8 @@
   so do the ledgers (CBOW through torchrun, recsys through ``--nproc``);
 - the exponential mechanism with noise: the 2-process run's ledger is the 1-process run's and its losses are in
   the same range; that the sharded selection and noise follow the single-process LAW is tested by chi^2 in
-  tests/test_distributed.py (exponential mechanism) and tests/test_selection_distributed.py (other selectors);
+  tests/dp/test_distributed.py (exponential mechanism) and tests/dp/selection/test_selection_distributed.py
+  (other selectors);
   nothing secret lies outside private/;
 - kill -9 of ONE rank, resume on a different N (one-line error, exit 2), resume on the same N: the final weights
   are bit-equal to an uninterrupted 2-process run's, the journal is never lowered.
@@ -144,7 +145,7 @@ def test_exponential_with_noise_keeps_the_ledger_and_its_secrets(tmp_path):
     _finish(_nproc(str(cfg), "--out", str(two)))
     _same_ledgers(one, two)
     la, lb = _summary(one)["valid_loss"], _summary(two)["valid_loss"]
-    assert abs(la - lb) < 0.1 * la  # the same law (chi^2: tests/test_distributed.py), not the same noise
+    assert abs(la - lb) < 0.1 * la  # the same law (chi^2: tests/dp/test_distributed.py), not the same noise
     seeds = rng.load_seeds(two)
     assert seeds is not None and seeds.mode == "secure"
     priv = two / rng.PRIVATE_DIR

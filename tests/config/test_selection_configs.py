@@ -9,7 +9,7 @@ from widedp.config import config_from_dict, load_config
 from widedp.errors import ConfigError
 from widedp.run.compare import load_sweep
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_gaussian_threshold_config_loads():
