@@ -207,3 +207,21 @@ def test_selection_calibration_of_gaussian_threshold_includes_the_prefix(tmp_pat
     step = budget.step_spend(dp, num_rows=26, batch_size=10, n=1000)
     eps = accounting.compose_epsilon([(rb.prefix[0], 1), (step, 100)], delta=1e-5, accountant="rdp")
     assert 0.99 * 6.0 <= eps <= 6.0
+
+
+def test_table_rows_split_the_kept_rows_per_table(tmp_path):
+    from dataclasses import replace
+
+    from widedp.config.selection import PreselectConfig
+
+    cfg = load_config(_config(tmp_path))
+    old_hash = cfg.hash()
+    assert replace(cfg, dp=replace(cfg.dp, preselect=replace(cfg.dp.preselect, table_rows=None))).hash() == old_hash
+    cfg = replace(cfg, dp=replace(cfg.dp, preselect=PreselectConfig(rows=10, sigma=2.0, threshold=-1e9,
+                                                                    table_rows=(3, 7))))
+    assert cfg.hash() != old_hash
+    splits, model = build_cbow(cfg, tmp_path, device=torch.device("cpu"))
+    pre = preselect_setup.setup(cfg, tmp_path, model=model, split=splits["train"], grouped=None, noise_seed=5,
+                                resume=False)
+    kept = pre.rows.tolist()
+    assert len([r for r in kept if r < 13]) == 3 and len([r for r in kept if r >= 13]) == 7
