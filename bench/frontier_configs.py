@@ -107,6 +107,11 @@ def preselect_cells(v: str, eps: float, *, lrs: tuple[float, ...] = (3e-3, 1e-2)
            "threshold_sigmas": 0.5}
     out.append({"name": f"preselect-gt-{tag}-K{k}-f0.25-t0.5", "config": "brown_cbow_gaussian_threshold.yaml",
                 "set": _dp_sets({"dp.target_epsilon": eps, "dp.selection": sel, "dp.preselect": pre})})
+    # half of K per table (input, output): pooled, the output rows (targets + negatives) crowd the input rows out
+    for kk in (k, 2 * k) if v == "full" else (k,):
+        half = {**pre, "rows": kk, "table_rows": [kk // 2, kk // 2]}
+        out.append({"name": f"preselect-dpsgd-{tag}-K{kk}-half-lr0.003", "config": "brown_cbow_dpsgd.yaml",
+                    "set": _dp_sets({"dp.target_epsilon": eps, "train.lr": 3e-3, "dp.preselect": half})})
     return out
 
 
@@ -148,27 +153,27 @@ def cells(v: str) -> list[dict]:
             add(f"random_sparsification-{tag}-r{r:g}", "brown_cbow_random_sparsification.yaml",
                 {"dp.target_epsilon": eps,
                  "dp.selection": {"name": "random_sparsification", "final_rate": r, "gradual_cooling": True}})
-        for f in (0.25, 0.5):
-            for ts in (0.5, 1.0):
-                sel = {"name": "gaussian_threshold", "sigma": float(f"{sigma / math.sqrt(f):.4g}"),
-                       "threshold_sigmas": ts}
-                if st["max_rows"]:
-                    sel["max_rows"] = st["max_rows"]
-                add(f"gaussian_threshold-{tag}-f{f:g}-t{ts:g}", "brown_cbow_gaussian_threshold.yaml",
-                    {"dp.target_epsilon": eps, "dp.selection": sel})
+        for f, ts in ((0.25, 0.5), (0.25, 1.0), (0.25, 1.5), (0.5, 0.5), (0.5, 1.0)):
+            sel = {"name": "gaussian_threshold", "sigma": float(f"{sigma / math.sqrt(f):.4g}"),
+                   "threshold_sigmas": ts}
+            if st["max_rows"]:
+                sel["max_rows"] = st["max_rows"]
+            add(f"gaussian_threshold-{tag}-f{f:g}-t{ts:g}", "brown_cbow_gaussian_threshold.yaml",
+                {"dp.target_epsilon": eps, "dp.selection": sel})
     return runs
 
 
-#: The eps = 8 cells that decide the targets, in run order (``{k}``: R/4); whole Brown: DP-SGD at the lr that won
-#: at V = 10K (set after that run: 1e-2 gave the lowest validation loss there; see docs/results.md).
+#: The eps = 8 cells that decide the targets, in run order (``{k}``: R/4); whole Brown: DP-SGD and the pre-selection
+#: at the lr that won at V = 10K (set after those runs: 3e-3; 1e-2 diverged there, see docs/results.md).
 DECISIVE = {
     "v10k": ["dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.01", "preselect-dpsgd-eps8-K{k}-lr0.003",
              "preselect-gt-eps8-K{k}-f0.25-t0.5", "gaussian_threshold-eps8-f0.25-t0.5",
-             "exponential-eps8-k2000-f0.5", "preselect-dpsgd-eps8-K{k}-lr0.01", "gaussian_threshold-eps8-f0.25-t1",
-             "gaussian_threshold-eps8-f0.5-t0.5", "gaussian_threshold-eps8-f0.5-t1", "dpsgd-eps8-lr0.001",
-             "nonprivate"],
-    "full": ["dpsgd-eps8-lr0.01", "preselect-dpsgd-eps8-K{k}-lr0.01", "preselect-gt-eps8-K{k}-f0.25-t0.5",
-             "gaussian_threshold-eps8-f0.25-t0.5", "nonprivate"],
+             "exponential-eps8-k2000-f0.5", "preselect-dpsgd-eps8-K{k}-half-lr0.003",
+             "gaussian_threshold-eps8-f0.25-t1", "gaussian_threshold-eps8-f0.25-t1.5",
+             "gaussian_threshold-eps8-f0.5-t0.5", "gaussian_threshold-eps8-f0.5-t1", "nonprivate",
+             "dpsgd-eps8-lr0.001"],
+    "full": ["dpsgd-eps8-lr0.003", "gaussian_threshold-eps8-f0.25-t1", "preselect-dpsgd-eps8-K{k}-half-lr0.003",
+             "preselect-dpsgd-eps8-K{k2}-half-lr0.003", "nonprivate"],
 }
 
 
@@ -185,7 +190,7 @@ def sweep(v: str, only: list[str] | None = None) -> tuple[str, dict]:
     name = f"frontier_{v}"
     if only is not None:
         by_name = {r["name"]: r for r in runs}
-        runs = [by_name[n.format(k=k)] for n in only]
+        runs = [by_name[n.format(k=k, k2=2 * k)] for n in only]
         epsilons, name = (8,), f"frontier_{v}_eps8"
     panels = {f"target ε = {eps}": [r["name"] for r in runs if f"-eps{eps}-" in r["name"]] + ["nonprivate"]
               for eps in epsilons}
@@ -197,10 +202,11 @@ def sweep(v: str, only: list[str] | None = None) -> tuple[str, dict]:
         "#   dpsgd: lr in {1e-3, 3e-3, 1e-2}            exponential (gradient-norm scores): k, f (eps'' per pick)\n"
         "#   exponential_count: k, f=0.5, count scores  sparse_vector: cutoff c, f=0.5 (eps per segment)\n"
         "#   uniform: k                                 random_sparsification: final rate r\n"
-        "#   gaussian_threshold: f in {0.25, 0.5} (sigma_sel = sigma_DPSGD/sqrt(f)) x tau in {0.5, 1} sigma_sel"
+        "#   gaussian_threshold: (f, tau/sigma_sel) in {(.25, .5), (.25, 1), (.25, 1.5), (.5, .5), (.5, 1)}"
         + (f", max_rows {st['max_rows']}" if st["max_rows"] else "") + "\n"
         f"#   preselect-*: dp.preselect rows K = {k} (R/4), its own share {PRE_SHARE} of eps; then DP-SGD\n"
-        "#   (lr in {3e-3, 1e-2}) or gaussian_threshold (f = 0.25, tau = 0.5 sigma_sel) on the K rows\n"
+        "#   (lr in {3e-3, 1e-2}) or gaussian_threshold (f = 0.25, tau = 0.5 sigma_sel) on the K rows;\n"
+        "#   -half: K/2 rows per table (table_rows), DP-SGD at lr 3e-3 (whole Brown: also K = R/2)\n"
         "# Sparse cells train at lr 5e-3 (their configs'). Choose each mechanism's best cell by validation loss, then\n"
         "# add seeds: [0, 1] to it and rerun (finished seeds are reused).\n"
         f"#   widedp compare configs/{name}.yaml --out runs/{name} --set train.threads=1\n"

@@ -262,3 +262,21 @@ def test_recsys_dense_rows_stay_in_and_rows_outside_never_move(tmp_path):
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert {m["rows_selected"] for m in metrics if m["kind"] == "interval"} == {len(kept) + init.num_dense_rows}
     assert "pre-selection" in summary["privacy"]["text"]
+
+
+def test_table_rows_split_the_kept_rows_per_table(tmp_path):
+    from dataclasses import replace
+
+    from widedp.config.selection import PreselectConfig
+
+    cfg = load_config(_config(tmp_path))
+    old_hash = cfg.hash()
+    assert replace(cfg, dp=replace(cfg.dp, preselect=replace(cfg.dp.preselect, table_rows=None))).hash() == old_hash
+    cfg = replace(cfg, dp=replace(cfg.dp, preselect=PreselectConfig(rows=10, sigma=2.0, threshold=-1e9,
+                                                                    table_rows=(3, 7))))
+    assert cfg.hash() != old_hash
+    splits, model = build_cbow(cfg, tmp_path, device=torch.device("cpu"))
+    pre = preselect_setup.setup(cfg, tmp_path, model=model, split=splits["train"], grouped=None, noise_seed=5,
+                                resume=False)
+    kept = pre.rows.tolist()
+    assert len([r for r in kept if r < 13]) == 3 and len([r for r in kept if r >= 13]) == 7

@@ -222,6 +222,9 @@ class Config:
         view = getattr(type(self.data), "hash_view", None)  # data keys added later hash only when set
         if view is not None:
             d["data"] = view(d["data"])
+        pre = (d.get("dp") or {}).get("preselect")
+        if pre is not None and pre.get("table_rows") is None:  # (added later: hashes only when set)
+            del pre["table_rows"]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -67,17 +67,27 @@ class PreselectConfig:
         rows: K, the most rows kept.
         sigma: noise std in units of the count sensitivity (1).
         threshold: τ in count units; or ``threshold_sigmas`` c: τ = c·sigma (neither: τ = sigma).
+        table_rows: optional per-table caps [K_1, ...] in the model's table order (CBOW untied: input, output),
+            summing to ``rows``: the K_t largest noisy counts of each table (post-processing of the same noisy
+            counts; a public split). null: the K largest over all rows pooled.
     """
 
     rows: int = 1000
     sigma: float = 10.0
     threshold: float | None = None
     threshold_sigmas: float | None = None
+    table_rows: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         positive("dp.preselect.rows", self.rows)
         positive("dp.preselect.sigma", self.sigma)
         _one_threshold("dp.preselect", self.threshold, self.threshold_sigmas)
+        if self.table_rows is not None:
+            for k in self.table_rows:
+                positive("dp.preselect.table_rows", k)
+            if sum(self.table_rows) != self.rows:
+                raise ConfigError(f"dp.preselect.table_rows: {list(self.table_rows)} sums to {sum(self.table_rows)}, "
+                                  f"not dp.preselect.rows ({self.rows})")
 
     @property
     def tau(self) -> float:

@@ -102,7 +102,8 @@ def setup(cfg: Config, out: Path, *, model: Any, split: Any, grouped: units.Unit
         return None
     device = next(model.parameters()).device
     path = out / rng.PRIVATE_DIR / PRESELECT_FILE
-    want = {"rows": dp.preselect.rows, "sigma": dp.preselect.sigma, "threshold": dp.preselect.tau}
+    want = {"rows": dp.preselect.rows, "sigma": dp.preselect.sigma, "threshold": dp.preselect.tau,
+            "table_rows": None if dp.preselect.table_rows is None else list(dp.preselect.table_rows)}
     if path.is_file():
         return _load(path, want, device)
     if resume:
@@ -110,7 +111,8 @@ def setup(cfg: Config, out: Path, *, model: Any, split: Any, grouped: units.Unit
                           "release); start a new run directory")
     ids, counts, num_rows, always = train_contributions(model, split, grouped=grouped)
     gen = torch.Generator(device=ids.device).manual_seed(preselect_seed(noise_seed))
-    kept = preselect_rows(ids, counts, dp.preselect, num_rows=num_rows - always, generator=gen)
+    starts = [int(off) for off, _ in model.row_tables()] if dp.preselect.table_rows else [0]
+    kept = preselect_rows(ids, counts, dp.preselect, num_rows=num_rows - always, generator=gen, table_starts=starts)
     record = {"format": _FORMAT, **want, "num_rows": num_rows, "always_rows": always, "kept": kept.tolist()}
     rng.save_private(out, PRESELECT_FILE, json.dumps(record).encode())  # before anything uses it
     return Preselection(kept.to(device), num_rows, always)

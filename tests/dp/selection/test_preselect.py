@@ -70,6 +70,31 @@ def test_preselection_law_matches_brute_force(monkeypatch):
     assert _law_pvalue(broken, brute) < 1e-6
 
 
+def test_per_table_caps_match_brute_force():
+    """table_rows: the K_t largest noisy counts above τ of each table (same noisy counts), against dense brute force;
+    pooled top-K (ignoring the tables) is detected as a different law."""
+    cfg = PreselectConfig(rows=3, sigma=1.0, threshold=0.3, table_rows=(1, 2))
+    ids, counts = torch.tensor([0, 1, 4]), torch.tensor([2.0, 1.5, 0.4], dtype=torch.float64)
+    num_rows, n, starts = 7, 8_000, (0, 3)
+    gen = torch.Generator().manual_seed(4)
+    ours = [tuple(pre.preselect_rows(ids, counts, cfg, num_rows=num_rows, generator=gen, table_starts=starts).tolist())
+            for _ in range(n)]
+    dense = torch.zeros(num_rows, dtype=torch.float64).index_copy_(0, ids, counts)
+    noisy = dense + torch.randn(n, num_rows, generator=gen, dtype=torch.float64)
+
+    def top(vals, lo, hi, k):
+        cand = sorted(((v, i) for i, v in enumerate(vals) if lo <= i < hi and v > cfg.tau), reverse=True)
+        return [i for _, i in cand[:k]]
+
+    brute = [tuple(sorted(top(v, 0, 3, 1) + top(v, 3, 7, 2))) for v in noisy.tolist()]
+    pooled = [tuple(sorted(top(v, 0, 7, 3))) for v in noisy.tolist()]
+    assert _law_pvalue(ours, brute) > 1e-3 and _law_pvalue(ours, pooled) < 1e-6
+    with pytest.raises(ConfigError, match="table_rows"):
+        PreselectConfig(rows=4, table_rows=(1, 2))
+    with pytest.raises(ConfigError, match="1 table"):
+        pre.preselect_rows(ids, counts, cfg, num_rows=num_rows, generator=gen)
+
+
 def test_v_independent_and_top_k():
     cfg = PreselectConfig(rows=3, sigma=1.0, threshold_sigmas=7.0)  # ~1e-12 * 1e12 = ~1 false positive
     ids = torch.tensor([10, 10**11, 10**12 - 1])

@@ -17,7 +17,7 @@ against the touched rows for the top K.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +63,9 @@ def contribution_totals(batches: Iterable[PerSampleRows], *, selectable: int | N
 
 
 def preselect_rows(ids: Tensor, counts: Tensor, cfg: PreselectConfig, *, num_rows: int,
-                   generator: torch.Generator) -> Tensor:
-    """The pre-selected rows: [<= K] sorted ids, the ``cfg.rows`` largest noisy counts above τ over ALL rows."""
+                   generator: torch.Generator, table_starts: Sequence[int] = (0,)) -> Tensor:
+    """The pre-selected rows: [<= K] sorted ids, the ``cfg.rows`` largest noisy counts above τ over ALL rows (with
+    ``cfg.table_rows``: the K_t largest of each table t = [table_starts[t], table_starts[t + 1] or num_rows))."""
     hits, noisy, fp = threshold_rows(ids, counts, num_rows=num_rows, std=cfg.sigma, threshold=cfg.tau,
                                      generator=generator)
     p = tail_probability(cfg.tau, cfg.sigma)
@@ -72,9 +73,19 @@ def preselect_rows(ids: Tensor, counts: Tensor, cfg: PreselectConfig, *, num_row
     fp_noisy = torch.special.ndtri(v * p).neg_().mul_(cfg.sigma)  # N(0, σ²) given > τ: Φ̄⁻¹(V p_τ) σ
     rows = torch.cat([hits, fp])
     keys = torch.cat([noisy.to(torch.float64), fp_noisy])
-    if rows.numel() > cfg.rows:
-        rows = rows.index_select(0, keys.topk(cfg.rows).indices)
-    return rows.sort().values
+    if cfg.table_rows is None:
+        return _top(rows, keys, cfg.rows).sort().values
+    if len(cfg.table_rows) != len(table_starts):
+        raise ConfigError(f"dp.preselect.table_rows: {len(cfg.table_rows)} caps for a model with "
+                          f"{len(table_starts)} table(s)")
+    ends = [*table_starts[1:], num_rows]
+    parts = [_top(rows[(rows >= a) & (rows < e)], keys[(rows >= a) & (rows < e)], k)
+             for a, e, k in zip(table_starts, ends, cfg.table_rows)]
+    return torch.cat(parts).sort().values
+
+
+def _top(rows: Tensor, keys: Tensor, k: int) -> Tensor:
+    return rows if rows.numel() <= k else rows.index_select(0, keys.topk(k).indices)
 
 
 @dataclass(frozen=True)

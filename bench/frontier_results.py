@@ -1,0 +1,164 @@
+"""Tabulate (and plot) the privacy-utility frontier runs (issue 13) from their run directories.
+
+    .venv/bin/python bench/frontier_results.py runs/frontier_v10k_eps8 runs/frontier_full_eps8 \
+        --json docs/frontier.json --png docs/frontier.png
+
+Reads every ``OUT/<cell>/seed<k>/`` that holds a ``summary.json`` (finished runs only; unfinished cells are listed as
+not run), not the sweep's ``results.json``: the table also needs the mean rows noised per step (``metrics.jsonl``)
+and the cell's resolved config (``config.yaml``). Per cell: mechanism, its parameters, lr, spent eps (PLD, the run's
+headline), sigma, validation and test loss (of the final weights), rows noised per step (mean over the run; of R
+rows), step time (training time / steps: evaluation and checkpoints excluded) and wall time. The best cell of each
+mechanism per (V, eps) is chosen on VALIDATION loss; the figure plots its test loss against eps, one panel per V,
+with DP-SGD's best and the non-private run as references.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+V_OF_PRESET = {"paper": "V = 1K", "brown_10k": "V = 10K", "brown_full": "whole Brown (V = 13,232)"}
+
+
+def mechanism(cfg: dict[str, Any]) -> str:
+    dp = cfg.get("dp")
+    if dp is None:
+        return "non-private"
+    sel = dp["selection"]["name"]
+    name = {"all": "DP-SGD"}.get(sel, sel)
+    if sel == "exponential" and dp["selection"].get("score") == "count":
+        name = "exponential (count)"
+    return f"preselect + {name}" if dp.get("preselect") else name
+
+
+def params(cfg: dict[str, Any]) -> str:
+    dp = cfg.get("dp")
+    out = [f"lr {cfg['train']['lr']:g}"]
+    if dp is None:
+        return ", ".join(out)
+    s = dp["selection"]
+    if s["name"] == "gaussian_threshold":
+        tau = s["threshold"] if s.get("threshold") is not None else (s.get("threshold_sigmas") or 1.0) * s["sigma"]
+        out.append(f"σ_sel {s['sigma']:.3g}, τ {tau:.3g}" + (f", ≤{s['max_rows']} rows" if s.get("max_rows") else ""))
+    elif s["name"] in ("exponential", "uniform"):
+        out.append(f"k {s.get('k')}" + (f", ε'' {s['epsilon']:.3g}" if "epsilon" in s else ""))
+    elif s["name"] == "sparse_vector":
+        out.append(f"c {s['cutoff']}, ε {s['epsilon']:.3g}")
+    elif s["name"] == "random_sparsification":
+        out.append(f"rate {s['final_rate']}")
+    if dp.get("preselect"):
+        p = dp["preselect"]
+        out.append(f"K {p['rows']}, σ_pre {p['sigma']:g}")
+    return ", ".join(out)
+
+
+def cell(run: Path) -> dict[str, Any] | None:
+    if not (run / "summary.json").is_file():
+        return None
+    s = json.loads((run / "summary.json").read_text())
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    noised = [r["rows_selected"] for r in rows if r.get("kind") == "interval" and "rows_selected" in r]
+    tied = cfg["model"].get("tied", False)
+    vocab = len(json.loads((run / "vocab.json").read_text()))
+    dp = s.get("dp") or {}
+    return {
+        "cell": run.parent.name, "seed": run.name, "dir": str(run), "V": V_OF_PRESET.get(cfg["data"].get("preset"),
+                                                                                          f"V = {vocab}"),
+        "vocab": vocab, "rows": vocab * (1 if tied else 2), "mechanism": mechanism(cfg), "params": params(cfg),
+        "epsilon": dp.get("epsilon"), "target_epsilon": dp.get("target_epsilon"),
+        "sigma": dp.get("noise_multiplier"), "valid_loss": s["valid_loss"], "test_loss": s["test_loss"],
+        "rows_noised": sum(noised) / len(noised) if noised else None, "steps": s["steps"],
+        "step_ms": 1000 * s["train_s"] / max(1, s["steps"]), "wall_s": s["wall_s"],
+    }
+
+
+def collect(outs: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
+    cells, missing = [], []
+    for out in outs:
+        for d in sorted(p for p in out.iterdir() if p.is_dir()):
+            for run in sorted(d.glob("seed*")):
+                c = cell(run)
+                (cells.append(c) if c is not None else missing.append(str(run)))
+    return cells, missing
+
+
+def markdown(cells: list[dict[str, Any]]) -> str:
+    head = ("| V | mechanism | parameters | ε (PLD) | σ | valid loss | test loss | rows noised / step | step ms |"
+            " wall s |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for c in sorted(cells, key=lambda c: (c["V"], -(c["target_epsilon"] or 99), c["valid_loss"])):
+        eps = "–" if c["epsilon"] is None else f"{c['epsilon']:.3f}"
+        sig = "–" if c["sigma"] is None else f"{c['sigma']:.4f}"
+        rows = "–" if c["rows_noised"] is None else f"{c['rows_noised']:,.0f} of {c['rows']:,} " \
+                                                    f"({c['rows_noised'] / c['rows']:.0%})"
+        lines.append(f"| {c['V']} | {c['mechanism']} | {c['params']} | {eps} | {sig} | {c['valid_loss']:.4f} | "
+                     f"{c['test_loss']:.4f} | {rows} | {c['step_ms']:.0f} | {c['wall_s']:.0f} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def best_by_validation(cells: list[dict[str, Any]]) -> dict[tuple[str, str, Any], dict[str, Any]]:
+    best: dict[tuple[str, str, Any], dict[str, Any]] = {}
+    for c in cells:
+        key = (c["V"], c["mechanism"], c["target_epsilon"])
+        if key not in best or c["valid_loss"] < best[key]["valid_loss"]:
+            best[key] = c
+    return best
+
+
+def plot(cells: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = best_by_validation(cells)
+    vs = sorted({k[0] for k in best})
+    fig, axes = plt.subplots(1, len(vs), figsize=(5.5 * len(vs), 4.2), squeeze=False)
+    for ax, v in zip(axes[0], vs):
+        mechs = sorted({k[1] for k in best if k[0] == v and k[1] != "non-private"})
+        for m in mechs:
+            pts = sorted((c["epsilon"], c["test_loss"], c) for k, c in best.items() if k[0] == v and k[1] == m)
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            style = dict(color="black", lw=2) if m == "DP-SGD" else {}
+            ax.plot(xs, ys, "o-", label=m, **style)
+            for x, y, c in pts:
+                if c["rows_noised"] is not None and m != "DP-SGD":
+                    ax.annotate(f"{c['rows_noised'] / c['rows']:.0%}", (x, y), fontsize=7, xytext=(4, 2),
+                                textcoords="offset points")
+        np_ = [c for k, c in best.items() if k[0] == v and k[1] == "non-private"]
+        if np_:
+            ax.axhline(np_[0]["test_loss"], color="gray", ls="--", label="non-private")
+        ax.set_title(f"{v}: best cell per mechanism (by validation)", fontsize=9)
+        ax.set_xlabel("ε (PLD, δ = 1e-5, add/remove one pair)")
+        ax.set_ylabel("test loss")
+        ax.legend(fontsize=7)
+    fig.suptitle("CBOW on Brown: test loss vs ε (labels: share of rows noised per step)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("outs", nargs="+", type=Path)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--png", type=Path)
+    a = ap.parse_args()
+    cells, missing = collect(a.outs)
+    print(markdown(cells))
+    if missing:
+        print("not finished:", ", ".join(missing))
+    if a.json:
+        a.json.write_text(json.dumps({"cells": cells, "not_finished": missing}, indent=1,
+                                     default=lambda x: None if isinstance(x, float) and math.isnan(x) else x) + "\n")
+    if a.png and cells:
+        plot(cells, a.png)
+
+
+if __name__ == "__main__":
+    main()
