@@ -37,6 +37,10 @@ from widedp.dp.selection import make_selector
 from widedp.dp.spend import GaussianSpend, StepSpend
 
 PRE_SHARE = 0.1  # the pre-selection's share of eps (alone, PLD)
+#: gaussian_threshold cells: (budget share f, tau / sigma_sel, capped at max_rows = R/4 (V >= 10K)); the uncapped
+#: ones (the whole-Brown target has no row limit) keep every row above tau.
+GT_GRID = ((0.25, 0.5, True), (0.25, 1.0, True), (0.25, 1.5, True), (0.5, 0.5, True), (0.5, 1.0, True),
+           (0.1, 1.0, False), (0.25, 1.0, False))
 
 ROOT = Path(__file__).resolve().parents[1]
 DELTA = 1e-5
@@ -153,27 +157,34 @@ def cells(v: str) -> list[dict]:
             add(f"random_sparsification-{tag}-r{r:g}", "brown_cbow_random_sparsification.yaml",
                 {"dp.target_epsilon": eps,
                  "dp.selection": {"name": "random_sparsification", "final_rate": r, "gradual_cooling": True}})
-        for f, ts in ((0.25, 0.5), (0.25, 1.0), (0.25, 1.5), (0.5, 0.5), (0.5, 1.0)):
+        for f, ts, cap in GT_GRID:
             sel = {"name": "gaussian_threshold", "sigma": float(f"{sigma / math.sqrt(f):.4g}"),
                    "threshold_sigmas": ts}
-            if st["max_rows"]:
+            if st["max_rows"] and cap:
                 sel["max_rows"] = st["max_rows"]
-            add(f"gaussian_threshold-{tag}-f{f:g}-t{ts:g}", "brown_cbow_gaussian_threshold.yaml",
-                {"dp.target_epsilon": eps, "dp.selection": sel})
+            add(f"gaussian_threshold-{tag}-f{f:g}-t{ts:g}{'' if cap else '-nocap'}",
+                "brown_cbow_gaussian_threshold.yaml", {"dp.target_epsilon": eps, "dp.selection": sel})
+            if (f, ts, cap) == (0.25, 1.0, True):  # its lr grid (the others train at the config's 5e-3)
+                for lr in (1e-2, 2e-2):
+                    add(f"gaussian_threshold-{tag}-f{f:g}-t{ts:g}-lr{lr:g}", "brown_cbow_gaussian_threshold.yaml",
+                        {"dp.target_epsilon": eps, "dp.selection": sel, "train.lr": lr})
     return runs
 
 
-#: The eps = 8 cells that decide the targets, in run order (``{k}``: R/4); whole Brown: DP-SGD and the pre-selection
-#: at the lr that won at V = 10K (set after those runs: 3e-3; 1e-2 diverged there, see docs/results.md).
+#: The eps = 8 cells that decide the targets, in run order (``{k}``: R/4, ``{k2}``: R/2); whole Brown: DP-SGD and
+#: gaussian_threshold at the cell that won at V = 10K on validation (lr 3e-3; f = 0.25, tau = sigma_sel, lr 5e-3),
+#: and the pre-selection with half of K per table (set after those runs, see docs/results.md).
 DECISIVE = {
     "v10k": ["dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.01", "preselect-dpsgd-eps8-K{k}-lr0.003",
              "preselect-gt-eps8-K{k}-f0.25-t0.5", "gaussian_threshold-eps8-f0.25-t0.5",
              "exponential-eps8-k2000-f0.5", "preselect-dpsgd-eps8-K{k}-half-lr0.003",
              "gaussian_threshold-eps8-f0.25-t1", "gaussian_threshold-eps8-f0.25-t1.5",
-             "gaussian_threshold-eps8-f0.5-t0.5", "gaussian_threshold-eps8-f0.5-t1", "nonprivate",
+             "gaussian_threshold-eps8-f0.5-t0.5", "gaussian_threshold-eps8-f0.5-t1",
+             "gaussian_threshold-eps8-f0.1-t1-nocap", "gaussian_threshold-eps8-f0.25-t1-nocap",
+             "gaussian_threshold-eps8-f0.25-t1-lr0.01", "gaussian_threshold-eps8-f0.25-t1-lr0.02", "nonprivate",
              "dpsgd-eps8-lr0.001"],
-    "full": ["dpsgd-eps8-lr0.003", "gaussian_threshold-eps8-f0.25-t1", "preselect-dpsgd-eps8-K{k}-half-lr0.003",
-             "preselect-dpsgd-eps8-K{k2}-half-lr0.003", "nonprivate"],
+    "full": ["dpsgd-eps8-lr0.003", "gaussian_threshold-eps8-f0.25-t1", "preselect-dpsgd-eps8-K{k2}-half-lr0.003",
+             "nonprivate", "preselect-dpsgd-eps8-K{k}-half-lr0.003"],
 }
 
 
@@ -203,7 +214,8 @@ def sweep(v: str, only: list[str] | None = None) -> tuple[str, dict]:
         "#   exponential_count: k, f=0.5, count scores  sparse_vector: cutoff c, f=0.5 (eps per segment)\n"
         "#   uniform: k                                 random_sparsification: final rate r\n"
         "#   gaussian_threshold: (f, tau/sigma_sel) in {(.25, .5), (.25, 1), (.25, 1.5), (.5, .5), (.5, 1)}"
-        + (f", max_rows {st['max_rows']}" if st["max_rows"] else "") + "\n"
+        + (f", max_rows {st['max_rows']}" if st["max_rows"] else "") + "; -nocap: (.1, 1), (.25, 1) uncapped;\n"
+        "#   (.25, 1) capped also at lr 1e-2, 2e-2\n"
         f"#   preselect-*: dp.preselect rows K = {k} (R/4), its own share {PRE_SHARE} of eps; then DP-SGD\n"
         "#   (lr in {3e-3, 1e-2}) or gaussian_threshold (f = 0.25, tau = 0.5 sigma_sel) on the K rows;\n"
         "#   -half: K/2 rows per table (table_rows), DP-SGD at lr 3e-3 (whole Brown: also K = R/2)\n"

@@ -53,7 +53,8 @@ def params(cfg: dict[str, Any]) -> str:
         out.append(f"rate {s['final_rate']}")
     if dp.get("preselect"):
         p = dp["preselect"]
-        out.append(f"K {p['rows']}, σ_pre {p['sigma']:g}")
+        out.append(f"K {p['rows']}" + (f" ({' + '.join(map(str, p['table_rows']))} per table)"
+                                         if p.get("table_rows") else " pooled") + f", σ_pre {p['sigma']:g}")
     return ", ".join(out)
 
 
