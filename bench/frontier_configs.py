@@ -19,7 +19,9 @@ parameters fixed per cell. "Budget split" f is how the selection's share of the 
   lr in {3e-3, 1e-2}) and ``preselect-gt`` (gaussian_threshold on the K rows, f = 0.25, tau = 0.5 sigma_sel).
 The ``_eps8`` files hold, in run order, what decides the targets at eps = 8: DP-SGD (lr grid), the pre-selection
 cells, gaussian_threshold (its grid), exponential k = 2000 (reference), non-private; the whole-Brown one DP-SGD at
-the lr that won at V = 10K, the pre-selection cells and gaussian_threshold at f = 0.25, tau = 0.5 sigma_sel.
+the lr that won at V = 10K, gaussian_threshold at the V = 10K winner (f = 0.25, tau = sigma_sel), the pre-selection
+with half of K = R/2 per table, non-private (sparse Adam, b = 1000). Results: docs/results.md (issue 13);
+tabulate and plot finished cells with bench/frontier_results.py.
 Pick each mechanism's best cell by VALIDATION loss (never test), then add ``seeds: [0, 1]`` to that cell and rerun
 the sweep (finished seeds are reused).
 """
@@ -193,7 +195,7 @@ def sweep(v: str, only: list[str] | None = None) -> tuple[str, dict]:
     k = st["rows"] // 4  # the pre-selection's rows
     runs = cells(v)
     runs.append({"name": "nonprivate", "config": st["nonprivate"],
-                 "set": {"train.batch_size": B, "train.optimizer": "sparse_adam"}})
+                 "set": {"train.batch_size": B, "train.optimizer": "sparse_adam", "model.sparse": True}})
     common = {"data.preset": st["preset"], "model.tied": False, "train.epochs": st["epochs"]}
     if v != "v1k":
         common["train.eval_max_samples"] = 100_000  # valid/test losses on 100K of ~500K pairs each (per epoch)

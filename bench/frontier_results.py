@@ -93,7 +93,7 @@ def markdown(cells: list[dict[str, Any]]) -> str:
     head = ("| V | mechanism | parameters | ε (PLD) | σ | valid loss | test loss | rows noised / step | step ms |"
             " wall s |\n|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
-    for c in sorted(cells, key=lambda c: (c["V"], -(c["target_epsilon"] or 99), c["valid_loss"])):
+    for c in sorted(cells, key=lambda c: (c["rows"], -(c["target_epsilon"] or 99), c["valid_loss"])):
         eps = "–" if c["epsilon"] is None else f"{c['epsilon']:.3f}"
         sig = "–" if c["sigma"] is None else f"{c['sigma']:.4f}"
         rows = "–" if c["rows_noised"] is None else f"{c['rows_noised']:,.0f} of {c['rows']:,} " \
@@ -119,15 +119,17 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     best = best_by_validation(cells)
-    vs = sorted({k[0] for k in best})
+    rows_of = {c["V"]: c["rows"] for c in cells}
+    vs = sorted({k[0] for k in best}, key=rows_of.get)
+    mechs_all = sorted({k[1] for k in best if k[1] not in ("non-private", "DP-SGD")})
+    colors = {m: f"C{i}" for i, m in enumerate(mechs_all)} | {"DP-SGD": "black"}
     fig, axes = plt.subplots(1, len(vs), figsize=(5.5 * len(vs), 4.2), squeeze=False)
     for ax, v in zip(axes[0], vs):
         mechs = sorted({k[1] for k in best if k[0] == v and k[1] != "non-private"})
         for m in mechs:
             pts = sorted((c["epsilon"], c["test_loss"], c) for k, c in best.items() if k[0] == v and k[1] == m)
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            style = dict(color="black", lw=2) if m == "DP-SGD" else {}
-            ax.plot(xs, ys, "o-", label=m, **style)
+            ax.plot(xs, ys, "o-", label=m, color=colors[m], lw=2 if m == "DP-SGD" else 1.5)
             for x, y, c in pts:
                 if c["rows_noised"] is not None and m != "DP-SGD":
                     ax.annotate(f"{c['rows_noised'] / c['rows']:.0%}", (x, y), fontsize=7, xytext=(4, 2),
