@@ -7,6 +7,7 @@ import stat
 import pytest
 import torch
 from snapshots import train_with_snapshot
+from tiny_corpus import data_section
 
 from widedp import accounting
 from widedp.cli import main
@@ -15,18 +16,14 @@ from widedp.dp import rng
 from widedp.errors import ConfigError
 from widedp.run.train import train
 
-TEXT = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(300))
 SHAREABLE_IF_ANYTHING = ("config.yaml", "checkpoint.pt", "metrics.jsonl", "summary.json", "spent.json", "vocab.json",
                          "loss.png")
 
 
 def _config(tmp_path, *, rng_mode: str | None = None, steps: int = 100, ckpt_every: int = 0):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"""
-data: {{preset: custom, corpus: "text:{corpus}", vocab_size: 11, remove_stopwords: false, alpha_only: false,
-       splits: [1000, 100, 100], cache_dir: "{tmp_path / 'cache'}"}}
+{data_section(tmp_path)}
 model: {{dim: 8, tied: false}}
 train: {{epochs: {steps // 100}, batch_size: 10, optimizer: lazy_adam, lr: 0.01, log_every: 25,
         checkpoint_every: {ckpt_every}, eval_max_samples: 50, seed: 3}}

@@ -3,19 +3,15 @@
 import json
 
 import torch
+from tiny_corpus import data_section
 
 from widedp.cli import main
 
-TEXT = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(300))
-
 
 def test_keep_best_ends_with_the_best_validation_epoch(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"""
-data: {{preset: custom, corpus: "text:{corpus}", vocab_size: 11, remove_stopwords: false, alpha_only: false,
-       splits: [300, 300, 100], cache_dir: "{tmp_path / 'cache'}"}}
+{data_section(tmp_path, splits='[300, 300, 100]')}
 model: {{dim: 16, tied: false, sparse: false}}
 train: {{epochs: 12, batch_size: 10, optimizer: adam, lr: 0.3, keep_best: true, eval_max_samples: 300}}
 """)  # a large lr on few samples: the validation loss does not fall monotonically

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from snapshots import train_with_snapshot
+from tiny_corpus import data_section
 
 import widedp.run.train as train_mod
 from widedp import accounting
@@ -23,17 +24,13 @@ from widedp.errors import ConfigError
 from widedp.run import budget, preselect_setup
 from widedp.tasks.cbow import build_cbow
 
-TEXT = "".join(f"w{i % 13} w{(i * 3) % 13} w{(i * 5) % 13} w{(i + 1) % 13} w{(i * 7) % 13}\n" for i in range(300))
 PRE = "preselect: {rows: 10, sigma: 2.0, threshold_sigmas: 1.0}"
 
 
 def _config(tmp_path, *, steps=100, ckpt_every=0, dp_extra="", selection="{name: all}", engine="", data_extra=""):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"""
-data: {{preset: custom, corpus: "text:{corpus}", vocab_size: 13, remove_stopwords: false, alpha_only: false,
-       splits: [1000, 100, 100], cache_dir: "{tmp_path / 'cache'}"{data_extra}}}
+{data_section(tmp_path, words=13, extra=data_extra)}
 model: {{dim: 8, tied: false}}
 train: {{epochs: {steps // 100}, batch_size: 10, optimizer: lazy_adam, lr: 0.01, log_every: 25,
         checkpoint_every: {ckpt_every}, eval_max_samples: 50, seed: 3}}

@@ -9,20 +9,16 @@ import time
 
 import pytest
 import torch
+from tiny_corpus import data_section
 
 from widedp import accounting
 from widedp.cli import main
 
-TEXT = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(400))
-
 
 def _config(tmp_path, *, steps: int, extra_dp: str = "", ckpt_every: int = 0):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"""
-data: {{preset: custom, corpus: "text:{corpus}", vocab_size: 11, remove_stopwords: false, alpha_only: false,
-       splits: [1000, 100, 100], cache_dir: "{tmp_path / 'cache'}"}}
+{data_section(tmp_path, lines=400)}
 model: {{dim: 16, tied: false}}
 train: {{epochs: {steps // 100}, batch_size: 10, optimizer: lazy_adam, lr: 0.01, log_every: 25,
         checkpoint_every: {ckpt_every}, eval_max_samples: 50}}

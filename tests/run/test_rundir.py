@@ -2,19 +2,16 @@
 
 import json
 
+from tiny_corpus import data_section
+
 from widedp.cli import main
 from widedp.run import rundir
 
-TEXT = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(300))
-
 
 def _config(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"""
-data: {{preset: custom, corpus: "text:{corpus}", vocab_size: 11, remove_stopwords: false, alpha_only: false,
-       splits: [1000, 100, 100], cache_dir: "{tmp_path / 'cache'}"}}
+{data_section(tmp_path)}
 model: {{dim: 8, tied: false}}
 train: {{epochs: 1, batch_size: 10, optimizer: lazy_adam, lr: 0.01, log_every: 25, eval_max_samples: 50}}
 dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0, selection: {{name: uniform, k: 4}}}}

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_corpus import data_section
 
 from widedp import accounting
 from widedp.cli import main
@@ -35,19 +36,15 @@ from widedp.errors import ConfigError
 from widedp.run import ranks, shards
 from widedp.run.engines.sharded import check_shardable
 
-TEXT = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(300))
 EXACT = ["--set", "dp.noise_multiplier=1e-6", "--set", "dp.accountant=rdp", "--set", "dp.selection.name=all",
          "--set", "train.optimizer=sgd"]  # sigma > 0 is required; 1e-6 noise moves sgd's weights by ~1e-9
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _cbow(tmp_path: Path, *, epochs: int = 1, ckpt_every: int = 20, rng_mode: str = "reproducible") -> Path:
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
     cfg = tmp_path / "cbow.yaml"
     cfg.write_text(f"""
-data: {{preset: custom, corpus: "text:{corpus}", vocab_size: 11, remove_stopwords: false, alpha_only: false,
-       splits: [1000, 100, 100], cache_dir: "{tmp_path / 'cache'}"}}
+{data_section(tmp_path)}
 model: {{dim: 8, tied: false}}
 train: {{epochs: {epochs}, batch_size: 10, optimizer: lazy_adam, lr: 0.01, log_every: 25,
         checkpoint_every: {ckpt_every}, eval_max_samples: 50, seed: 3}}
