@@ -184,9 +184,17 @@ DECISIVE = {
              "gaussian_threshold-eps8-f0.5-t0.5", "gaussian_threshold-eps8-f0.5-t1",
              "gaussian_threshold-eps8-f0.1-t1-nocap", "gaussian_threshold-eps8-f0.25-t1-nocap",
              "gaussian_threshold-eps8-f0.25-t1-lr0.01", "gaussian_threshold-eps8-f0.25-t1-lr0.02", "nonprivate",
-             "dpsgd-eps8-lr0.001"],
+             "dpsgd-eps8-lr0.001", "sparse_vector-eps8-c2000-f0.5", "uniform-eps8-k5000",
+             "random_sparsification-eps8-r0.75", "exponential_count-eps8-k5000-f0.5", "uniform-eps8-k2000",
+             "random_sparsification-eps8-r0.9"],
     "full": ["dpsgd-eps8-lr0.003", "gaussian_threshold-eps8-f0.25-t1", "preselect-dpsgd-eps8-K{k2}-half-lr0.003",
              "nonprivate", "preselect-dpsgd-eps8-K{k}-half-lr0.003"],
+}
+
+
+#: The second seed of each mechanism's best cell at eps = 8, picked by validation loss (docs/frontier.json).
+SEEDS = {
+    "v10k": {"dpsgd-eps8-lr0.003": [0, 1], "gaussian_threshold-eps8-f0.25-t1": [0, 1]},
 }
 
 
@@ -204,6 +212,9 @@ def sweep(v: str, only: list[str] | None = None) -> tuple[str, dict]:
     if only is not None:
         by_name = {r["name"]: r for r in runs}
         runs = [by_name[n.format(k=k, k2=2 * k)] for n in only]
+        for r in runs:
+            if r["name"] in SEEDS.get(v, {}):
+                r["seeds"] = SEEDS[v][r["name"]]
         epsilons, name = (8,), f"frontier_{v}_eps8"
     panels = {f"target ε = {eps}": [r["name"] for r in runs if f"-eps{eps}-" in r["name"]] + ["nonprivate"]
               for eps in epsilons}
