@@ -174,8 +174,7 @@ def build_glm_data(docs: Sequence[Sequence[str]], labels: Sequence[str], cfg: GL
     """Everything after reading: filter, split, chunk, vocabulary (train only), features."""
     if not docs:
         raise ConfigError(f"data.corpus: no documents in {cfg.corpus}")
-    stop = corpus_mod.stopword_set() if cfg.remove_stopwords else frozenset()
-    corp = corpus_mod.filter_sentences(docs, lowercase=cfg.lowercase, alpha_only=cfg.alpha_only, stopwords=stop)
+    corp = corpus_mod.apply_filters(docs, cfg)
     classes = sorted(set(labels))
     y_doc = np.array([classes.index(c) for c in labels], dtype=np.int64)
     doc_chunks = [chunk(corp.ids[corp.offsets[i]:corp.offsets[i + 1]], cfg.chunk_tokens, cfg.min_chunk_tokens)

@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from widedp.config import DataConfig
+from widedp.config.data import TokenFilter
 from widedp.errors import ConfigError
 
 #: Tokeniser of ``text:`` and ``hf:`` corpora: runs of word characters, or single punctuation marks.
@@ -219,15 +220,21 @@ def filter_sentences(
     return Corpus(np.array(words, dtype=str), ids, offsets, documents)
 
 
+def apply_filters(sentences: Iterable[Sequence[str]], tokens: TokenFilter, *,
+                  documents: np.ndarray | None = None) -> Corpus:
+    """``filter_sentences`` with a config's token filters (NLTK's English stop words when ``remove_stopwords``)."""
+    stop = stopword_set() if tokens.remove_stopwords else frozenset()
+    return filter_sentences(sentences, lowercase=tokens.lowercase, alpha_only=tokens.alpha_only, stopwords=stop,
+                            documents=documents)
+
+
 def load_corpus(cfg: DataConfig) -> Corpus:
     """The filtered corpus of ``cfg``, from the cache when there."""
     path = _corpus_cache_path(cfg)
     corpus = _load_cached(path) if path is not None else None
     if corpus is None:
         sentences, documents = read_sentences(cfg)  # first: corpus errors come before those about stop words
-        stop = stopword_set() if cfg.remove_stopwords else frozenset()
-        corpus = filter_sentences(sentences, lowercase=cfg.lowercase, alpha_only=cfg.alpha_only, stopwords=stop,
-                                  documents=documents)
+        corpus = apply_filters(sentences, cfg, documents=documents)
         if path is not None:
             _save_cached(path, corpus)
     return corpus

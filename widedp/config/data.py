@@ -59,7 +59,18 @@ class VocabDPConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class TokenFilter:
+    """The token filters of the text tasks (cbow and glm ``data:``), applied in this order by
+    ``widedp.data_prep.corpus.apply_filters``: lowercase, alphabetic tokens only, NLTK's English stop words removed
+    (the paper: all true)."""
+
+    lowercase: bool = True
+    alpha_only: bool = True
+    remove_stopwords: bool = True
+
+
+@dataclass(frozen=True)
+class DataConfig(TokenFilter):
     """Preprocessing of a text corpus into CBOW samples.
 
     Args:
@@ -76,7 +87,7 @@ class DataConfig:
         sample_shape: ``pair`` (target + one context word, the paper's) or ``bag`` (target + its whole window).
         splits: sizes of train / valid / test: integers (samples) or fractions of all samples summing to <= 1.
         seed: seed of the shuffle and of the negatives.
-        lowercase, alpha_only, remove_stopwords: token filters (the paper: all true).
+        lowercase, alpha_only, remove_stopwords: token filters (``TokenFilter``).
         max_sentences: keep only the first N sentences (0 = all) — for smoke tests.
         cache_dir: where prepared id arrays are cached (keyed by these parameters); "" turns caching off.
         privacy_unit: what one DP guarantee protects: ``pair`` (one sample) | ``sentence`` | ``document`` (Brown:
@@ -101,9 +112,6 @@ class DataConfig:
     sample_shape: Literal["pair", "bag"] = "pair"
     splits: tuple[float, ...] = (200_000, 100_000, 200_000)
     seed: int = 0
-    lowercase: bool = True
-    alpha_only: bool = True
-    remove_stopwords: bool = True
     max_sentences: int = 0
     hf_split: str = "train"
     hf_column: str = "text"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from widedp.config.data import TokenFilter
 from widedp.config.tools import data_cache_key, nonneg, positive
 from widedp.errors import ConfigError
 
@@ -34,7 +35,7 @@ DATA_PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
-class GLMDataConfig:
+class GLMDataConfig(TokenFilter):
     """Documents -> sparse bag-of-words rows with a class label.
 
     Args:
@@ -52,6 +53,7 @@ class GLMDataConfig:
         splits: fractions (train, valid, test) of the documents of each label (stratified) or, with
             ``split_by: chunk``, of the chunks.
         max_docs: keep only the first N documents (0 = all) — for smoke runs.
+        lowercase, alpha_only, remove_stopwords: token filters (``TokenFilter``, as the cbow task's).
     """
 
     preset: Literal["brown_glm", "custom"] = "brown_glm"
@@ -68,10 +70,6 @@ class GLMDataConfig:
     splits: tuple[float, float, float] = (0.6, 0.2, 0.2)
     split_by: Literal["document", "chunk"] = "document"
     seed: int = 0
-    # tokens kept (as the cbow task's)
-    lowercase: bool = True
-    alpha_only: bool = True
-    remove_stopwords: bool = True
     max_docs: int = 0
     cache_dir: str = ".cache/widedp"
 

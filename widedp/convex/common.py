@@ -25,39 +25,20 @@ from widedp.models import glm
 
 
 @dataclass(frozen=True)
-class LaplaceSpend:
-    """A pure ``epsilon``-DP mechanism run ``count`` times (Laplace noise, report-noisy-max with Laplace noise)."""
-
-    epsilon: float
-    count: int = 1
-
-
-@dataclass(frozen=True)
-class NoisyMaxSpend:
-    """``count`` noisy-max selections, each ``epsilon``-DP; ``bounded_range`` when the noise is Gumbel (the
-    exponential mechanism, eps-bounded-range), not when it is Laplace (pure eps-DP only)."""
-
-    epsilon: float
-    count: int = 1
-    bounded_range: bool = False
-
-
-@dataclass(frozen=True)
 class ZCDPGaussianSpend:
     """A Gaussian mechanism that is ``rho``-zCDP: noise std = sensitivity / sqrt(2 rho) (Bun & Steinke Prop. 1.6)."""
 
     rho: float
 
 
-ConvexSpend = LaplaceSpend | NoisyMaxSpend | ZCDPGaussianSpend | GaussianSpend | SparseVectorSpend
+#: A pure eps-DP release run ``picks`` times (Laplace noise, report-noisy-max with Laplace noise) is
+#: ``ExponentialSpend(eps, picks, bounded_range=False)``; a noisy max with Gumbel noise (the exponential mechanism)
+#: is bounded-range (``bounded_range=True``).
+ConvexSpend = ExponentialSpend | ZCDPGaussianSpend | GaussianSpend | SparseVectorSpend
 
 
 def to_accountant(part: ConvexSpend) -> Any:
     """One of the records above as a record of ``widedp.dp.spend`` (which the accountant composes)."""
-    if isinstance(part, LaplaceSpend):
-        return ExponentialSpend(epsilon=part.epsilon, picks=part.count, bounded_range=False)
-    if isinstance(part, NoisyMaxSpend):
-        return ExponentialSpend(epsilon=part.epsilon, picks=part.count, bounded_range=part.bounded_range)
     if isinstance(part, ZCDPGaussianSpend):
         return GaussianSpend(noise_multiplier=1.0 / math.sqrt(2.0 * part.rho))
     return part

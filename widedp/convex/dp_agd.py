@@ -30,9 +30,9 @@ a privacy filter: the run never lets the spent sum of rho's exceed the budget rh
 order alpha the Renyi filter of Feldman & Zrnic (2021) bounds the whole run by alpha rho: rho-zCDP, i.e. (rho + 2
 sqrt(rho log 1/delta), delta)-DP. That is the headline epsilon (``common.zcdp_epsilon`` of the BUDGET rho;
 ``rho_spent`` <= rho is data-dependent and not itself a guarantee). The ledger records every Gaussian
-measurement as ``ZCDPGaussianSpend(rho)`` and every NoisyMax as ``NoisyMaxSpend(eps)`` (pure), all full-batch;
-composing THOSE with the PLD/RDP accountants treats adaptively chosen budgets as fixed, which no theorem covers
-for these mechanisms, so such figures are not reported as guarantees.
+measurement as ``ZCDPGaussianSpend(rho)`` and every NoisyMax as ``ExponentialSpend(eps, 1, bounded_range=False)``
+(pure), all full-batch; composing THOSE with the PLD/RDP accountants treats adaptively chosen budgets as fixed,
+which no theorem covers for these mechanisms, so such figures are not reported as guarantees.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ from widedp import accounting
 from widedp.convex.common import (
     Callback,
     ConvexResult,
-    NoisyMaxSpend,
     ZCDPGaussianSpend,
     clipped_residuals,
     gaussian,
     laplace,
     step,
 )
+from widedp.dp.spend import ExponentialSpend
 from widedp.models import glm
 
 
@@ -113,7 +113,7 @@ def dp_agd(data: glm.SparseRows, *, rho: float, nominal_iterations: int, clip: f
         remaining -= r
         stats["rho_spent"] += r
         eps = math.sqrt(2.0 * r)
-        ledger.add(step((NoisyMaxSpend(eps),)))
+        ledger.add(step((ExponentialSpend(eps, 1, bounded_range=False),)))
         return eps
 
     t = 0

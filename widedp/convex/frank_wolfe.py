@@ -43,7 +43,8 @@ import math
 import torch
 
 from widedp import accounting
-from widedp.convex.common import Callback, ConvexResult, NoisyMaxSpend, gumbel, laplace, step
+from widedp.convex.common import Callback, ConvexResult, gumbel, laplace, step
+from widedp.dp.spend import ExponentialSpend
 from widedp.models import glm
 
 
@@ -121,7 +122,7 @@ def private_frank_wolfe(data: glm.SparseRows, *, epsilon0: float | None, iterati
         else:
             v = l1_ball_oracle(grad, radius=radius, noise_scale=2.0 * radius * sens[t] / epsilon0, noise=noise,
                                generator=generator)
-            ledger.add(step((NoisyMaxSpend(epsilon0, bounded_range=noise == "gumbel"),)))
+            ledger.add(step((ExponentialSpend(epsilon0, 1, bounded_range=noise == "gumbel"),)))
         w_prev, w = w, (1.0 - eta) * w + eta * v
         if callback is not None and ((t + 1) % log_every == 0 or t == T - 1):
             callback(t + 1, w, {"sensitivity": sens[t], "l1_norm": float(w.abs().sum())})
@@ -145,7 +146,7 @@ def calibrate_epsilon0(*, iterations: int, target_epsilon: float, delta: float, 
     """eps0 per oracle call such that T full-batch calls spend <= target_epsilon (and >= 99% of it)."""
     br = noise == "gumbel"
     return accounting.calibrate_selection_epsilon(
-        lambda e: step((NoisyMaxSpend(e, bounded_range=br),)), steps=iterations, delta=delta,
+        lambda e: step((ExponentialSpend(e, 1, bounded_range=br),)), steps=iterations, delta=delta,
         target_epsilon=target_epsilon, accountant=accountant)  # type: ignore[arg-type]
 
 

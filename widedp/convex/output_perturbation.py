@@ -44,7 +44,8 @@ import math
 import torch
 
 from widedp import accounting
-from widedp.convex.common import ConvexResult, GaussianSpend, LaplaceSpend, gaussian, laplace, step
+from widedp.convex.common import ConvexResult, GaussianSpend, gaussian, laplace, step
+from widedp.dp.spend import ExponentialSpend
 from widedp.models import glm
 
 
@@ -160,7 +161,7 @@ def output_perturbation(data: glm.SparseRows, *, epsilon: float, delta: float, l
         sens_l1 = math.sqrt(w_star.numel()) * sens
         b = sens_l1 / epsilon
         noisy = w_star + laplace(w_star.shape, b, generator)
-        ledger.add(step((LaplaceSpend(epsilon),)))
+        ledger.add(step((ExponentialSpend(epsilon, 1, bounded_range=False),)))
         extra = {"laplace_scale": b, "noise_std": b * math.sqrt(2.0), "sensitivity_l1": sens_l1,
                  "poster_laplace_scale": poster_laplace_scale(lipschitz=lipschitz, smooth=smooth, sparsity=sparsity,
                                                               l2_reg=l2_reg, n=n, epsilon=epsilon),

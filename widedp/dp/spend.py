@@ -32,7 +32,9 @@ class GaussianSelectionSpend:
 
 @dataclass(frozen=True)
 class ExponentialSpend:
-    """``picks`` exponential-mechanism picks (Gumbel top-k), each ``epsilon``-DP; bounded-range (Cesar & Rogers)."""
+    """``picks`` exponential-mechanism picks (Gumbel top-k), each ``epsilon``-DP; bounded-range (Cesar & Rogers).
+    With ``bounded_range=False``: ``picks`` releases that are only pure ``epsilon``-DP (Laplace noise, a noisy max
+    with Laplace noise; the convex algorithms)."""
 
     epsilon: float
     picks: int
