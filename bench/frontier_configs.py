@@ -55,11 +55,11 @@ SETTINGS = {
             "rates": (0.5, 0.75), "max_rows": None, "nonprivate": "brown_cbow_nonprivate.yaml",
             "rows": 2_000,
             "title": "V = 1K (paper preset: 2,000 rows untied, 200K train pairs, b = 1000, 20 epochs = 4,000 steps)"},
-    "v10k": {"preset": "brown_10k", "n": 1_508_593, "epochs": 5, "k": (2000, 5000), "k_count": 5000, "cutoff": 2000,
+    "v10k": {"preset": "brown_10k", "n": 1_508_593, "epochs": 5, "k": (2000, 5000), "k_count": 2000, "cutoff": 2000,
              "rates": (0.75, 0.9), "max_rows": 5000, "nonprivate": "brown10k_cbow_nonprivate.yaml",
              "rows": 20_000,
              "title": "V = 10K (brown_10k: 20,000 rows untied, 1.51M train pairs, b = 1000, 5 epochs = 7,545 steps)"},
-    "full": {"preset": "brown_full", "n": 1_591_740, "epochs": 5, "k": (2000, 5000), "k_count": 5000,
+    "full": {"preset": "brown_full", "n": 1_591_740, "epochs": 5, "k": (2000, 5000), "k_count": 2000,
              "cutoff": 2000, "rates": (0.75, 0.9), "max_rows": 6616, "nonprivate": "brown10k_cbow_nonprivate.yaml",
              "rows": 26_464,
              "title": "whole Brown (brown_full: every word seen >= 5 times, V = 13,232: 26,464 rows untied, 1.59M "
@@ -159,6 +159,12 @@ def cells(v: str) -> list[dict]:
             add(f"random_sparsification-{tag}-r{r:g}", "brown_cbow_random_sparsification.yaml",
                 {"dp.target_epsilon": eps,
                  "dp.selection": {"name": "random_sparsification", "final_rate": r, "gradual_cooling": True}})
+        # without cooling: the same share of rows every step (r = 0.75: 1/4 of the rows, issue 13's row budget)
+        for lr in (5e-3, 3e-3, 1e-2):
+            add(f"random_sparsification-{tag}-r0.75-nocool" + ("" if lr == 5e-3 else f"-lr{lr:g}"),
+                "brown_cbow_random_sparsification.yaml",
+                {"dp.target_epsilon": eps, "train.lr": lr,
+                 "dp.selection": {"name": "random_sparsification", "final_rate": 0.75, "gradual_cooling": False}})
         for f, ts, cap in GT_GRID:
             sel = {"name": "gaussian_threshold", "sigma": float(f"{sigma / math.sqrt(f):.4g}"),
                    "threshold_sigmas": ts}
@@ -185,8 +191,9 @@ DECISIVE = {
              "gaussian_threshold-eps8-f0.1-t1-nocap", "gaussian_threshold-eps8-f0.25-t1-nocap",
              "gaussian_threshold-eps8-f0.25-t1-lr0.01", "gaussian_threshold-eps8-f0.25-t1-lr0.02", "nonprivate",
              "dpsgd-eps8-lr0.001", "sparse_vector-eps8-c2000-f0.5", "uniform-eps8-k5000",
-             "random_sparsification-eps8-r0.75", "exponential_count-eps8-k5000-f0.5", "uniform-eps8-k2000",
-             "random_sparsification-eps8-r0.9"],
+             "random_sparsification-eps8-r0.75", "exponential_count-eps8-k2000-f0.5", "uniform-eps8-k2000",
+             "random_sparsification-eps8-r0.9", "random_sparsification-eps8-r0.75-nocool",
+             "random_sparsification-eps8-r0.75-nocool-lr0.003", "random_sparsification-eps8-r0.75-nocool-lr0.01"],
     "full": ["dpsgd-eps8-lr0.003", "gaussian_threshold-eps8-f0.25-t1", "preselect-dpsgd-eps8-K{k2}-half-lr0.003",
              "nonprivate", "preselect-dpsgd-eps8-K{k}-half-lr0.003"],
 }
@@ -225,7 +232,8 @@ def sweep(v: str, only: list[str] | None = None) -> tuple[str, dict]:
         "# lazy Adam. Grid per epsilon (budget split f: see bench/frontier_configs.py):\n"
         "#   dpsgd: lr in {1e-3, 3e-3, 1e-2}            exponential (gradient-norm scores): k, f (eps'' per pick)\n"
         "#   exponential_count: k, f=0.5, count scores  sparse_vector: cutoff c, f=0.5 (eps per segment)\n"
-        "#   uniform: k                                 random_sparsification: final rate r\n"
+        "#   uniform: k                                 random_sparsification: final rate r (gradual cooling);\n"
+        "#   -nocool: r = 0.75 every step (1/4 of the rows) at lr in {5e-3, 3e-3, 1e-2}\n"
         "#   gaussian_threshold: (f, tau/sigma_sel) in {(.25, .5), (.25, 1), (.25, 1.5), (.5, .5), (.5, 1)}"
         + (f", max_rows {st['max_rows']}" if st["max_rows"] else "") + "; -nocap: (.1, 1), (.25, 1) uncapped;\n"
         "#   (.25, 1) capped also at lr 1e-2, 2e-2\n"
