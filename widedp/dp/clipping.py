@@ -1,7 +1,7 @@
 """Clipping and aggregation of jagged per-sample row gradients (paper Alg. 3, steps 1 and 4).
 
 Everything here is a few vectorised ops (segment sums over ``offsets``; no Python loop over samples) and never
-syncs with the host except ``torch.unique`` in ``aggregate``.
+syncs with the host except to learn how many rows the batch touched in ``aggregate`` (``torch.unique``).
 
 Non-finite gradients (issue 16): a sample with any NaN or ±inf entry contributes zero, as if its gradient were all
 zeros, so no non-finite value reaches the scores, the selection or the noise; samples are counted (``ClipInfo``).
@@ -99,35 +99,48 @@ def _per_pair(x: Tensor, g: PerSampleRows) -> Tensor:
     return torch.repeat_interleave(x, g.offsets.diff(), output_size=g.values.shape[0])
 
 
-def aggregate(g: PerSampleRows, *, batch_size: float) -> tuple[Tensor, Tensor]:
+def aggregate(g: PerSampleRows, *, batch_size: float, always_from: int | None = None) -> tuple[Tensor, Tensor]:
     """ĝ = (1/b) Σ_j g_j over the rows the batch touched; b is the fixed (expected) batch size.
+
+    ``always_from`` A0: the rows [A0, R) count as touched whether or not they were (ĝ = 0 on those that were not), so
+    that the touched rows below A0 are the first U − (R − A0) without a look at the data.
 
     Returns:
         touched [U] int64 sorted unique row ids, ghat [U, D].
     """
-    if g.num_rows <= g.rows.numel():
+    rows, values = g.rows, g.values
+    if always_from is not None and always_from < g.num_rows:
+        rows = torch.cat([rows, torch.arange(always_from, g.num_rows, device=rows.device)])
+        values = torch.cat([values, values.new_zeros(g.num_rows - always_from, values.shape[1])])
+    if g.num_rows <= rows.numel():
         # more (sample, row) pairs than rows (e.g. dense MLP rows every sample touches): an [R, D] buffer is
         # cheaper than sorting the pairs, and gives the same touched set and sums
-        buf = g.values.new_zeros(g.num_rows, g.values.shape[1]).index_add_(0, g.rows, g.values, alpha=1.0 / batch_size)
-        present = torch.zeros(g.num_rows, dtype=torch.bool, device=g.rows.device).index_fill_(0, g.rows, True)
+        buf = values.new_zeros(g.num_rows, values.shape[1]).index_add_(0, rows, values, alpha=1.0 / batch_size)
+        present = torch.zeros(g.num_rows, dtype=torch.bool, device=rows.device).index_fill_(0, rows, True)
         touched = present.nonzero().squeeze(1)
         return touched, buf.index_select(0, touched)
-    touched, inv = torch.unique(g.rows, sorted=True, return_inverse=True)
-    ghat = g.values.new_zeros(touched.numel(), g.values.shape[1])
-    ghat.index_add_(0, inv, g.values, alpha=1.0 / batch_size)
+    touched, inv = torch.unique(rows, sorted=True, return_inverse=True)
+    ghat = values.new_zeros(touched.numel(), values.shape[1])
+    ghat.index_add_(0, inv, values, alpha=1.0 / batch_size)
     return touched, ghat
 
 
-def clip_aggregate(g: PerSampleRows, *, clip1: float, batch_size: float,
-                   fused: bool | None = None) -> tuple[Tensor, Tensor, ClipInfo]:
+def clip_aggregate(g: PerSampleRows, *, clip1: float, batch_size: float, fused: bool | None = None,
+                   always_from: int | None = None) -> tuple[Tensor, Tensor, ClipInfo]:
     """``clip_per_sample`` then ``aggregate``: touched [U], ghat [U, D] and ``ClipInfo``. ``fused``: one native CPU
-    pass (``widedp.native``; None: when available and ``g`` is on the CPU; False: these PyTorch functions)."""
+    pass (``widedp.native``; None: when available and ``g`` is on the CPU; False: these PyTorch functions).
+    ``always_from``: as ``aggregate``'s."""
     if native.use(fused, g.values):
         touched, ghat, clipped, nonfinite = native.clip_aggregate(
             g.values, g.rows, g.offsets, num_rows=g.num_rows, clip1=clip1, batch_size=batch_size)
+        if always_from is not None and always_from < g.num_rows:  # (on the CPU: these reads cost nothing)
+            extra = torch.arange(always_from, g.num_rows)
+            extra = extra[~torch.isin(extra, touched)]
+            touched, order = torch.cat([touched, extra]).sort()
+            ghat = torch.cat([ghat, ghat.new_zeros(extra.numel(), ghat.shape[1])]).index_select(0, order)
         return touched, ghat, ClipInfo(clipped, nonfinite)
     clipped_g, info = clip_per_sample(g, clip1=clip1)
-    return *aggregate(clipped_g, batch_size=batch_size), info
+    return *aggregate(clipped_g, batch_size=batch_size, always_from=always_from), info
 
 
 def restrict(touched: Tensor, ghat: Tensor, selected: Tensor) -> tuple[Tensor, Tensor]:

@@ -49,7 +49,8 @@ class PerSampleRows:
 
     def sample_ids(self) -> Tensor:
         """[nnz] the sample each pair belongs to."""
-        return torch.repeat_interleave(torch.arange(self.batch_size, device=self.rows.device), self.lengths())
+        return torch.repeat_interleave(torch.arange(self.batch_size, device=self.rows.device), self.lengths(),
+                                       output_size=self.rows.numel())  # the size is known: no host sync
 
     def to_dense(self) -> Tensor:
         """[B, R, D] dense copy — for tests on tiny sizes only."""

@@ -19,10 +19,11 @@ from widedp.dp.spend import GaussianSpend, StepSpend
 class StepStats:
     """Diagnostics of one step, kept as 0-dim tensors (no host sync in the step); ``as_floats`` for logging.
 
-    rows_selected: k. touched_share: share of the selected rows the batch touched. clipped1: fraction of samples
-    clipped at S1. clipped2: was Δ̂ clipped at S2. nonfinite: number of samples whose gradient had a NaN or an inf
-    and so contributed zero. Nothing here is computed from the noise: the noise's norm together with one released
-    value tells membership apart (issue 16), so it is neither computed nor logged.
+    rows_selected: k. touched_share: share of the selected rows the batch touched (always-selected rows count as
+    touched). clipped1: fraction of samples clipped at S1. clipped2: was Δ̂ clipped at S2. nonfinite: number of
+    samples whose gradient had a NaN or an inf and so contributed zero. Nothing here is computed from the noise: the
+    noise's norm together with one released value tells membership apart (issue 16), so it is neither computed nor
+    logged.
     """
 
     rows_selected: int
@@ -93,11 +94,12 @@ def dp_step(
     ``fused``: clip and aggregate in one native CPU pass (``clipping.clip_aggregate``; None: when available).
     """
     n_always = getattr(g, "always_rows", 0) if always_rows is None else always_rows
-    touched, ghat, clip = clip_aggregate(g, clip1=clip1, batch_size=batch_size, fused=fused)  # [U], [U, D]; finite
-    selectable, sel_touched, sel_ghat = g.num_rows - n_always, touched, ghat
-    if n_always:
-        u = int(torch.searchsorted(touched, selectable))  # touched is sorted: the selectable ones come first
-        sel_touched, sel_ghat = touched[:u], ghat[:u]
+    selectable = g.num_rows - n_always
+    # [U], [U, D], finite; the always-selected rows count as touched, so the selectable ones are the first U − A
+    touched, ghat, clip = clip_aggregate(g, clip1=clip1, batch_size=batch_size, fused=fused,
+                                         always_from=selectable if n_always else None)
+    u = touched.numel() - n_always
+    sel_touched, sel_ghat = touched[:u], ghat[:u]
 
     scores, score_sens = selection_scores(selector.score_kind, g, sel_touched, sel_ghat, score_clip=selector.score_clip,
                                           clip1=clip1, batch_size=batch_size)

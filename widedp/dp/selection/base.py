@@ -78,32 +78,25 @@ def sample_distinct(
         raise ValueError(f"cannot draw {n} distinct rows out of {num_rows - u}")
     if n == 0:
         return torch.zeros(0, dtype=torch.long, device=device)
-    if n == 1:  # the first non-excluded draw
-        while True:
-            cand = torch.randint(num_rows, (8,), generator=generator, device=device)
-            if not u:
-                return cand[:1]
-            ok = (~member(cand, exclude)).to(torch.uint8)
-            i = int(ok.argmax())
-            if ok[i]:
-                return cand[i : i + 1]
+    # No host sync on any path (issue 15): every size below is known before the draws.
     if _DENSE_FACTOR * (n + u) > num_rows:
         perm = torch.randperm(num_rows, generator=generator, device=device)
-        if u:
-            perm = perm[~member(perm, exclude)]
+        if u:  # the first n not-excluded ids of the permutation (a stable sort of the excluded flag, not a mask)
+            perm = perm.index_select(0, torch.sort(member(perm, exclude).to(torch.uint8), stable=True).indices[:n])
         return perm[:n]
-    chunk = (3 * n) // 2 + 16  # expected >= 9n/8 + 12 kept
-    cand = torch.randint(num_rows, (chunk,), generator=generator, device=device)
-    while True:
-        vals = cand.masked_fill(member(cand, exclude), num_rows) if u else cand  # rejected -> sentinel R
-        sv, order = torch.sort(vals, stable=True)
-        first = torch.ones_like(sv, dtype=torch.bool)
-        first[1:] = sv[1:] != sv[:-1]
-        first &= sv < num_rows
-        pos = order[first]  # draw positions of first occurrences (stable sort: the earliest)
-        if pos.numel() >= n:
-            return cand.index_select(0, pos.sort().values[:n])
-        cand = torch.cat([cand, torch.randint(num_rows, (chunk,), generator=generator, device=device)])
+    # Each draw is a new kept id with probability >= 3/4 until n are kept (4(n + u) <= R), so 2n + 128 draws keep
+    # fewer than n with probability < e^-43 (Chernoff); that never-seen case is an error, not a shorter sample.
+    m = 2 * n + 128
+    cand = torch.randint(num_rows, (m,), generator=generator, device=device)
+    vals = cand.masked_fill(member(cand, exclude), num_rows) if u else cand  # rejected -> sentinel R
+    sv, order = torch.sort(vals, stable=True)
+    first = torch.ones_like(sv, dtype=torch.bool)
+    first[1:] = sv[1:] != sv[:-1]
+    first &= sv < num_rows
+    # draw positions of first occurrences (stable sort: the earliest), m elsewhere; the n smallest, in draw order
+    pos = torch.where(first, order, m).topk(n, largest=False, sorted=True).values
+    torch._assert_async(pos[-1] < m, "sample_distinct: fewer distinct draws than rows asked for")
+    return cand.index_select(0, pos)
 
 
 def member(x: Tensor, sorted_set: Tensor) -> Tensor:

@@ -32,21 +32,25 @@ def tail_probability(threshold: float, std: float) -> float:
     return 0.5 * math.erfc(threshold / (std * math.sqrt(2.0)))
 
 
+def _binomial(n: int, p: float, *, generator: torch.Generator, device: torch.device) -> Tensor:
+    """[1] float64 Binomial(n, p) draw on ``device`` (``n`` may exceed 2^53 only at the cost of float rounding)."""
+    f64 = torch.float64
+    return torch.binomial(torch.tensor([float(n)], dtype=f64, device=device),
+                          torch.tensor([min(p, 1.0)], dtype=f64, device=device), generator=generator)
+
+
 def false_positives(num_untouched: int, p: float, num_rows: int, *, exclude: Tensor, generator: torch.Generator,
                     device: torch.device) -> Tensor:
     """The untouched rows a threshold selects when each passes independently with probability ``p``: a uniformly
     random subset of [0, R) \\ exclude of size Binomial(R − |exclude|, p), in random order. O(|exclude| + size).
 
     Args:
-        num_untouched: R − |exclude| (the binomial's count; may exceed 2^53 only at the cost of float rounding).
+        num_untouched: R − |exclude|.
         exclude: [U] sorted unique ids (the touched rows).
     """
     if num_untouched <= 0 or p <= 0.0:
         return torch.zeros(0, dtype=torch.long, device=device)
-    f64 = torch.float64
-    n = torch.binomial(torch.tensor([float(num_untouched)], dtype=f64, device=device),
-                       torch.tensor([min(p, 1.0)], dtype=f64, device=device), generator=generator)
-    count = min(int(n.item()), num_untouched)
+    count = min(int(_binomial(num_untouched, p, generator=generator, device=device).item()), num_untouched)
     return sample_distinct(count, num_rows, exclude=exclude, generator=generator, device=device)
 
 
@@ -54,14 +58,20 @@ def threshold_rows(touched: Tensor, counts: Tensor, *, num_rows: int, std: float
                    generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
     """Noisy counts > threshold over ALL rows: (touched rows selected, their noisy counts, untouched rows selected).
 
-    The touched rows get N(0, std²) on their counts; the untouched ones (count 0) are ``false_positives``.
+    The touched rows get N(0, std²) on their counts; the untouched ones (count 0) pass independently with
+    probability P(N(0, std²) > τ), as in ``false_positives``. One host read (how many of each passed): the sizes of
+    what is selected.
     """
-    noisy = counts + gaussian_noise(counts.shape, std=std, generator=generator, device=counts.device,
-                                    dtype=counts.dtype)
+    dev = touched.device
+    noisy = counts + gaussian_noise(counts.shape, std=std, generator=generator, device=dev, dtype=counts.dtype)
     hit = noisy > threshold
-    fp = false_positives(num_rows - touched.numel(), tail_probability(threshold, std), num_rows, exclude=touched,
-                         generator=generator, device=touched.device)
-    return touched[hit], noisy[hit], fp
+    m, p = num_rows - touched.numel(), tail_probability(threshold, std)
+    n_fp = (_binomial(m, p, generator=generator, device=dev) if m > 0 and p > 0.0
+            else torch.zeros(1, dtype=torch.float64, device=dev))
+    n_hit, count = (int(x) for x in torch.cat([hit.sum().reshape(1).double(), n_fp]).tolist())
+    fp = sample_distinct(min(count, m), num_rows, exclude=touched, generator=generator, device=dev)
+    at = torch.sort(hit.to(torch.uint8), descending=True, stable=True).indices[:n_hit]  # the hits, in order
+    return touched.index_select(0, at), noisy.index_select(0, at), fp
 
 
 @dataclass(frozen=True)

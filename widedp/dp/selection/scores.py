@@ -25,21 +25,28 @@ from widedp.dp.rowgrads import PerSampleRows
 CONTRIBUTION_SENSITIVITY = 1.0
 
 
-def _pairs(g: PerSampleRows, touched: Tensor) -> tuple[Tensor, Tensor]:
-    """The distinct (sample, row) pairs of ``g`` on rows of ``touched`` (non-empty): ([n] sample, [n] index into
-    ``touched``), sorted by sample."""
+def _pairs(g: PerSampleRows, touched: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The (sample, row) pairs of ``g`` against ``touched`` (non-empty), in some order: ([nnz] sample, [nnz] index
+    into ``touched``, [nnz] bool keep). Kept: the first of each distinct (sample, row) pair on a row of ``touched``
+    (pairs on other rows, e.g. always-selected ones, drop out). ``PerSampleRows`` already holds distinct rows per
+    sample; deduplicating again keeps the sensitivity whatever a caller built. Fixed sizes: no host sync."""
     u = touched.numel()
     pos = torch.searchsorted(touched, g.rows).clamp_(max=u - 1)
-    keep = touched.index_select(0, pos) == g.rows  # a selectable row (pairs on always-selected rows drop out)
-    key = torch.unique((g.sample_ids() * u + pos)[keep])
-    return torch.div(key, u, rounding_mode="floor"), key.remainder(u)
+    sample = g.sample_ids()
+    key = torch.where(touched.index_select(0, pos) == g.rows, sample * u + pos, -1)
+    key, order = torch.sort(key)
+    keep = key >= 0
+    keep[1:] &= key[1:] != key[:-1]
+    return sample.index_select(0, order), pos.index_select(0, order), keep
 
 
 def sample_row_counts(g: PerSampleRows, touched: Tensor) -> Tensor:
     """[B] |rows_j|: the number of distinct rows of ``touched`` each sample touched (a shard's part, to all_reduce)."""
+    out = torch.zeros(g.batch_size, dtype=torch.long, device=touched.device)
     if touched.numel() == 0 or g.rows.numel() == 0:
-        return torch.zeros(g.batch_size, dtype=torch.long, device=touched.device)
-    return torch.bincount(_pairs(g, touched)[0], minlength=g.batch_size)
+        return out
+    sample, _, keep = _pairs(g, touched)
+    return out.index_add_(0, sample, keep.long())
 
 
 def row_counts(g: PerSampleRows, touched: Tensor, *, normalise: bool, dtype: torch.dtype,
@@ -54,12 +61,15 @@ def row_counts(g: PerSampleRows, touched: Tensor, *, normalise: bool, dtype: tor
     out = torch.zeros(touched.numel(), dtype=dtype, device=touched.device)
     if touched.numel() == 0 or g.rows.numel() == 0:
         return out
-    sample, pos = _pairs(g, touched)
-    if not normalise:
-        return out.index_add_(0, pos, torch.ones(pos.numel(), dtype=dtype, device=out.device))
-    if sample_rows is None:
-        sample_rows = torch.bincount(sample, minlength=g.batch_size)
-    return out.index_add_(0, pos, sample_rows.to(dtype).rsqrt().index_select(0, sample))
+    sample, pos, keep = _pairs(g, touched)
+    w = keep.to(dtype)
+    if normalise:
+        if sample_rows is None:
+            sample_rows = torch.zeros(g.batch_size, dtype=torch.long, device=out.device).index_add_(0, sample,
+                                                                                                   keep.long())
+        # a sample with no kept pair has |rows_j| = 0: its weight is never used (masked, not 0 · inf)
+        w = torch.where(keep, sample_rows.to(dtype).rsqrt().index_select(0, sample), 0.0)
+    return out.index_add_(0, pos, w)
 
 
 def selection_scores(kind: str, g: PerSampleRows, touched: Tensor, ghat: Tensor, *, score_clip: float | None,

@@ -74,13 +74,15 @@ def svt_sparse(touched: Tensor, scores: Tensor, thresholds: Tensor, *, num_rows:
     noisy = scores + laplace((u,), scale=query_scale, generator=generator, device=dev, dtype=scores.dtype)
     unif = 1.0 - torch.rand((c,), generator=generator, device=dev, dtype=torch.float64)  # (0, 1]: geometric draws
     by_pos = pos.argsort()
-    tpos = pos.index_select(0, by_pos).cpu().numpy()  # touched positions, visiting order
-    tnoisy = noisy.index_select(0, by_pos).cpu().numpy()
-    tid = touched.index_select(0, by_pos).cpu().numpy()
+    # the scan runs on the host: ONE copy of everything it reads (ids and positions < 2^53 are exact in float64)
+    host = torch.cat([pos.index_select(0, by_pos).double(), noisy.index_select(0, by_pos).double(),
+                      touched.index_select(0, by_pos).double(), thresholds.double(), unif]).cpu().numpy()
+    tpos, tnoisy, tid = host[:u].astype(np.int64), host[u:2 * u], host[2 * u:3 * u].astype(np.int64)
+    thr, unif_h = host[3 * u:3 * u + c], host[3 * u + c:]
     skipped = tpos - np.arange(u)  # untouched positions before each touched one (non-decreasing)
     picks: list[int] = []  # a touched id, or -1 for an untouched answer (its id is drawn at the end)
     p, i = 0, 0  # next position to visit; first touched row (in visiting order) at a position >= p
-    for t, v in zip(thresholds.tolist(), unif.tolist()):
+    for t, v in zip(thr.tolist(), unif_h.tolist()):
         above = np.flatnonzero(tnoisy[i:] >= t)
         x_touched = int(tpos[i + above[0]]) if above.size else num_rows
         x_untouched = num_rows
@@ -101,11 +103,10 @@ def svt_sparse(touched: Tensor, scores: Tensor, thresholds: Tensor, *, num_rows:
             p = x_untouched + 1
         i = int(np.searchsorted(tpos, p, side="left"))
     out = torch.tensor(picks, dtype=torch.long, device=dev)
-    untouched = out < 0
-    n_untouched = int(untouched.sum())
-    if n_untouched:
-        ids = sample_distinct(n_untouched, num_rows, exclude=touched, generator=generator, device=dev)
-        out[untouched] = ids
+    untouched = [j for j, x in enumerate(picks) if x < 0]
+    if untouched:
+        ids = sample_distinct(len(untouched), num_rows, exclude=touched, generator=generator, device=dev)
+        out.index_copy_(0, torch.tensor(untouched, dtype=torch.long, device=dev), ids)
     return out
 
 
