@@ -176,6 +176,15 @@ def cells(v: str) -> list[dict]:
                 for lr in (1e-2, 2e-2):
                     add(f"gaussian_threshold-{tag}-f{f:g}-t{ts:g}-lr{lr:g}", "brown_cbow_gaussian_threshold.yaml",
                         {"dp.target_epsilon": eps, "dp.selection": sel, "train.lr": lr})
+        # data.negatives_pool: each step's negatives from a pool of M ids drawn without the data, whose rows are
+        # then public (noised for free): DP-SGD (the reference with the same negatives) and gaussian_threshold
+        for m in (1000, 2000):
+            add(f"dpsgd-{tag}-lr0.003-pool{m}", "brown_cbow_dpsgd.yaml",
+                {"dp.target_epsilon": eps, "train.lr": 3e-3, "data.negatives_pool": m})
+            sel = {"name": "gaussian_threshold", "sigma": float(f"{sigma / math.sqrt(0.25):.4g}"),
+                   "threshold_sigmas": 1.0}
+            add(f"gaussian_threshold-{tag}-f0.25-t1-pool{m}", "brown_cbow_gaussian_threshold.yaml",
+                {"dp.target_epsilon": eps, "dp.selection": sel, "data.negatives_pool": m})
     return runs
 
 
@@ -193,7 +202,9 @@ DECISIVE = {
              "dpsgd-eps8-lr0.001", "sparse_vector-eps8-c2000-f0.5", "uniform-eps8-k5000",
              "random_sparsification-eps8-r0.75", "exponential_count-eps8-k2000-f0.5", "uniform-eps8-k2000",
              "random_sparsification-eps8-r0.9", "random_sparsification-eps8-r0.75-nocool",
-             "random_sparsification-eps8-r0.75-nocool-lr0.003", "random_sparsification-eps8-r0.75-nocool-lr0.01"],
+             "random_sparsification-eps8-r0.75-nocool-lr0.003", "random_sparsification-eps8-r0.75-nocool-lr0.01",
+             "gaussian_threshold-eps8-f0.25-t1-pool2000", "dpsgd-eps8-lr0.003-pool2000",
+             "gaussian_threshold-eps8-f0.25-t1-pool1000", "dpsgd-eps8-lr0.003-pool1000"],
     "full": ["dpsgd-eps8-lr0.003", "gaussian_threshold-eps8-f0.25-t1", "preselect-dpsgd-eps8-K{k2}-half-lr0.003",
              "nonprivate", "preselect-dpsgd-eps8-K{k}-half-lr0.003"],
 }
@@ -234,6 +245,8 @@ def sweep(v: str, only: list[str] | None = None) -> tuple[str, dict]:
         "#   exponential_count: k, f=0.5, count scores  sparse_vector: cutoff c, f=0.5 (eps per segment)\n"
         "#   uniform: k                                 random_sparsification: final rate r (gradual cooling);\n"
         "#   -nocool: r = 0.75 every step (1/4 of the rows) at lr in {5e-3, 3e-3, 1e-2}\n"
+        "#   -poolM: data.negatives_pool = M (each step's negatives from M ids drawn without the data: public rows),\n"
+        "#   for DP-SGD (lr 3e-3) and gaussian_threshold (f = 0.25, tau = sigma_sel, uncapped), M in {1000, 2000}\n"
         "#   gaussian_threshold: (f, tau/sigma_sel) in {(.25, .5), (.25, 1), (.25, 1.5), (.5, .5), (.5, 1)}"
         + (f", max_rows {st['max_rows']}" if st["max_rows"] else "") + "; -nocap: (.1, 1), (.25, 1) uncapped;\n"
         "#   (.25, 1) capped also at lr 1e-2, 2e-2\n"

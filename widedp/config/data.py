@@ -84,6 +84,12 @@ class DataConfig(TokenFilter):
         window: context window; the context of a target is the ``window`` nearest in-vocabulary words on each side,
             within its sentence (979,216 pairs on Brown with the paper preset).
         negatives: negative samples per sample, drawn from unigram^0.75, never equal to the target.
+        negatives_pool: M > 0: in DP training (``dp.engine: widedp``) every step draws a pool of M ids i.i.d. from
+            unigram^0.75, a function of the run's sampling seed and the step only (never of the data), and each
+            sample's ``negatives`` are drawn uniformly from that pool instead of its stored ones (a pick equal to the
+            sample's target moves to the next pool entry). The pool's output rows are then public for the step:
+            noised every step for free, left out of the selection's scores (``dp_step``'s ``public_rows``). 0 = the
+            negatives stored with each sample. Evaluation always uses the stored ones.
         sample_shape: ``pair`` (target + one context word, the paper's) or ``bag`` (target + its whole window).
         splits: sizes of train / valid / test: integers (samples) or fractions of all samples summing to <= 1.
         seed: seed of the shuffle and of the negatives.
@@ -109,6 +115,7 @@ class DataConfig(TokenFilter):
     min_count: int = 1
     window: int = 4
     negatives: int = 8
+    negatives_pool: int = 0
     sample_shape: Literal["pair", "bag"] = "pair"
     splits: tuple[float, ...] = (200_000, 100_000, 200_000)
     seed: int = 0
@@ -137,6 +144,9 @@ class DataConfig(TokenFilter):
                               "data.privacy_unit: sentence or document (a pair is not a unit of the corpus)")
         positive("data.window", self.window)
         nonneg("data.negatives", self.negatives)
+        nonneg("data.negatives_pool", self.negatives_pool)
+        if self.negatives_pool and not self.negatives:
+            raise ConfigError("data.negatives_pool: needs data.negatives > 0 (the pool is where negatives come from)")
         nonneg("data.max_sentences", self.max_sentences)
         check_splits(self.splits)
         if not (self.corpus == "brown" or self.corpus.startswith(("text:", "hf:"))):
@@ -149,9 +159,10 @@ class DataConfig(TokenFilter):
         unit or the DP vocabulary's parameters: a DP vocabulary's arrays are never cached)."""
         unit = self.privacy_unit if self.vocabulary == "dp" else "pair"  # (dp with pair units is refused)
         plain = dataclasses.replace(self, privacy_unit=unit, max_samples_per_unit=32, vocab_dp=VocabDPConfig())
-        key = data_cache_key(plain, self.corpus[5:] if self.corpus.startswith("text:") else None)
+        drop = ("negatives_pool",)  # drawn at each step, not prepared
+        key = data_cache_key(plain, self.corpus[5:] if self.corpus.startswith("text:") else None, drop=drop)
         if self.vocabulary.startswith("file:"):
-            key = data_cache_key(plain, self.vocabulary[5:]) + key
+            key = data_cache_key(plain, self.vocabulary[5:], drop=drop) + key
         return key
 
     @staticmethod
@@ -159,5 +170,5 @@ class DataConfig(TokenFilter):
         """``d`` (this section as a dict) without the issue-11 keys left at their defaults, so that runs recorded
         before those keys existed keep their config hash (resume, ``widedp compare``'s reuse)."""
         defaults = {"privacy_unit": "pair", "max_samples_per_unit": 32, "vocabulary": "private_top", "min_count": 1,
-                    "vocab_dp": dataclasses.asdict(VocabDPConfig())}
+                    "vocab_dp": dataclasses.asdict(VocabDPConfig()), "negatives_pool": 0}
         return {k: v for k, v in d.items() if not (k in defaults and v == defaults[k])}

@@ -53,11 +53,12 @@ def check_splits(splits: tuple[float, ...]) -> None:
         raise ConfigError("data.splits: the train split is empty")
 
 
-def data_cache_key(cfg: Any, file: str | None = None) -> str:
-    """Hash of a data config's fields except ``cache_dir``/``preset`` (and of a local input file's identity)."""
+def data_cache_key(cfg: Any, file: str | None = None, *, drop: tuple[str, ...] = ()) -> str:
+    """Hash of a data config's fields except ``cache_dir``/``preset`` and ``drop`` (keys that do not change the
+    prepared arrays), and of a local input file's identity."""
     d = dataclasses.asdict(cfg)
-    d.pop("cache_dir", None)
-    d.pop("preset", None)
+    for k in ("cache_dir", "preset", *drop):
+        d.pop(k, None)
     if file is not None:
         p = Path(file).expanduser()
         st = p.stat()

@@ -75,6 +75,7 @@ def dp_step(
     generator: torch.Generator,
     always_rows: int | None = None,
     fused: bool | None = None,
+    public_rows: Tensor | None = None,
 ) -> StepResult:
     """One DP step on a Poisson(q) batch of per-sample row gradients (B may be 0).
 
@@ -92,6 +93,11 @@ def dp_step(
     the spend are unchanged. A = 0 is exactly the step without this option.
 
     ``fused``: clip and aggregate in one native CPU pass (``clipping.clip_aggregate``; None: when available).
+
+    ``public_rows`` [P] sorted unique selectable ids chosen without looking at the data (``data.negatives_pool``'s
+    pool): selected this step besides the mechanism's picks, for free (their inclusion is data-independent), with
+    the same clip and noise; the scores see only the other rows (a sample's contribution is normalised over its
+    non-public rows), as if the public ones were untouched. None = no public rows.
     """
     n_always = getattr(g, "always_rows", 0) if always_rows is None else always_rows
     selectable = g.num_rows - n_always
@@ -101,10 +107,15 @@ def dp_step(
     u = touched.numel() - n_always
     sel_touched, sel_ghat = touched[:u], ghat[:u]
 
+    if public_rows is not None and public_rows.numel():
+        private = ~torch.isin(sel_touched, public_rows)
+        sel_touched, sel_ghat = sel_touched[private], sel_ghat[private]
     scores, score_sens = selection_scores(selector.score_kind, g, sel_touched, sel_ghat, score_clip=selector.score_clip,
                                           clip1=clip1, batch_size=batch_size)
     selected = selector.select(sel_touched, scores, selectable_rows=selectable, score_sensitivity=score_sens, ctx=ctx,
                                generator=generator)
+    if public_rows is not None and public_rows.numel():
+        selected = torch.cat([selected[~torch.isin(selected, public_rows)], public_rows])
     if n_always:
         selected = torch.cat([selected, torch.arange(selectable, g.num_rows, device=selected.device)])
 

@@ -19,6 +19,7 @@ from widedp.data_prep import corpus as corpus_mod
 from widedp.data_prep.cbow import CBOWData, Split, prepare_cbow
 from widedp.dp import units
 from widedp.dp import vocab as vocab_dp
+from widedp.dp.rng import derived_seed
 from widedp.errors import ConfigError
 from widedp.models.cbow import CBOW, CBOWBatch
 from widedp.tasks.base import LoopTask
@@ -29,13 +30,41 @@ VOCAB_NOT_COVERED = ("vocabulary not private: the vocabulary (the top-V words of
 
 
 @dataclass(frozen=True)
+class NegativePool:
+    """``data.negatives_pool``: each step's pool of M negative ids, i.i.d. from ``probs`` (unigram^0.75), a function
+    of (seed, step) alone; ``row_offset``: the output table's first global row (V untied, 0 tied)."""
+
+    probs: torch.Tensor
+    size: int
+    row_offset: int
+    #: a pick equal to its target moves to the next pool entry up to this many times (left equal: p^9 per pick)
+    MOVES = 8
+
+    def draw(self, target: torch.Tensor, k: int, *, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, k] negatives for the samples of ``target`` [B], each a uniform pick from the step's pool, moved to
+        the next pool entry while equal to its target (``MOVES``); [P] the pool's distinct global output rows,
+        sorted)."""
+        dev = self.probs.device
+        gen = torch.Generator(device=dev).manual_seed(derived_seed(seed, f"negatives-pool:{step}"))
+        pool = torch.multinomial(self.probs, self.size, replacement=True, generator=gen)
+        pick = torch.randint(self.size, (target.numel(), k), generator=gen, device=dev)
+        neg = pool.index_select(0, pick.view(-1)).view(-1, k)
+        for shift in range(1, 1 + min(self.MOVES, self.size - 1)):  # (no host sync: a fixed number of moves)
+            moved = pool.index_select(0, pick.add(shift).remainder_(self.size).view(-1)).view(-1, k)
+            neg = torch.where(neg == target.unsqueeze(1), moved, neg)
+        return neg, torch.unique(pool) + self.row_offset
+
+
+@dataclass(frozen=True)
 class SplitTensors:
-    """A CBOW split on ``device``; ``source``: the numpy split (its unit ids, for ``widedp.dp.units``)."""
+    """A CBOW split on ``device``; ``source``: the numpy split (its unit ids, for ``widedp.dp.units``); ``pool``:
+    the training split's ``NegativePool`` under ``data.negatives_pool``."""
 
     target: torch.Tensor
     context: torch.Tensor
     negatives: torch.Tensor
     source: Split | None = field(default=None, compare=False, repr=False)
+    pool: NegativePool | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, s: Split, device: torch.device) -> SplitTensors:
@@ -48,6 +77,15 @@ class SplitTensors:
     def batch(self, idx: torch.Tensor) -> CBOWBatch:
         return CBOWBatch(self.target.index_select(0, idx), self.context.index_select(0, idx),
                          self.negatives.index_select(0, idx))
+
+    def batch_at(self, idx: torch.Tensor, *, seed: int, step: int) -> tuple[CBOWBatch, torch.Tensor | None]:
+        """The batch of DP step ``step`` and its public rows: with a ``pool``, the negatives drawn from the step's
+        pool and the pool's rows; else ``batch(idx)`` and None."""
+        if self.pool is None:
+            return self.batch(idx), None
+        target = self.target.index_select(0, idx)
+        neg, public = self.pool.draw(target, self.negatives.shape[1], seed=seed, step=step)
+        return CBOWBatch(target, self.context.index_select(0, idx), neg), public
 
 
 class SplitDataset(Dataset):
@@ -77,6 +115,10 @@ def build_cbow(cfg: Config, out: Path, *, device: torch.device, data: CBOWData |
     init_gen = torch.Generator().manual_seed(cfg.train.seed)
     model = CBOW(len(data.vocab), cfg.model.dim, tied=cfg.model.tied, sparse=cfg.model.sparse,
                  init_scale=cfg.model.init_scale, generator=init_gen).to(device)
+    if cfg.data.negatives_pool:
+        probs = torch.as_tensor(data.counts, dtype=torch.float64, device=device).pow(0.75)
+        pool = NegativePool(probs / probs.sum(), cfg.data.negatives_pool, model.num_rows - model.vocab_size)
+        splits["train"] = replace(splits["train"], pool=pool)
     return splits, model
 
 
@@ -102,6 +144,8 @@ class CBOWTask(LoopTask):
     def check(self, cfg: Config, *, private: bool) -> None:
         if cfg.data.vocabulary == "dp" and not private:
             raise ConfigError("data.vocabulary: dp is charged to the run's privacy ledger; it needs a dp: section")
+        if cfg.data.negatives_pool and not (private and cfg.dp.engine == "widedp"):
+            raise ConfigError("data.negatives_pool: applies to DP training with dp.engine: widedp only")
 
     def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None
               ) -> Built:

@@ -16,11 +16,13 @@ from widedp.tasks.protocol import Built, Task
 @dataclass(frozen=True)
 class Drawn:
     """One step's batch: ``batch`` (what the engine steps on), ``samples`` (how many samples it holds, units
-    counted by their samples) and ``units`` (``widedp.dp.units.UnitBatch`` when the privacy unit groups samples)."""
+    counted by their samples), ``units`` (``widedp.dp.units.UnitBatch`` when the privacy unit groups samples) and
+    ``public_rows`` (rows the step noises whatever the data: ``data.negatives_pool``'s pool)."""
 
     batch: Any
     samples: int
     units: Any = None
+    public_rows: Any = None
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,8 @@ def check_shardable(cfg: Config) -> None:
         raise ConfigError("data.vocabulary: dp is not available on several processes; use file:PATH or top")
     if dp.preselect is not None:
         raise ConfigError("dp.preselect: not available on several processes")
+    if getattr(cfg.data, "negatives_pool", 0):
+        raise ConfigError("data.negatives_pool: not available on several processes")
     if cfg.train.keep_best:
         raise ConfigError("train.keep_best: not available on several processes")
 

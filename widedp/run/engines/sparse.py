@@ -78,11 +78,16 @@ class SparseDPEngine(PrivateEngine):
         return {"n_units": self.n_draw if self.grouped is not None else None, **super().start()}
 
     def sample(self, step: int) -> Drawn:
+        units_drawn = None
         if self.grouped is None:
             idx = self._sampler.batch(step)
-            return Drawn(self._split.batch(idx), idx.numel())
-        drawn = self._sampler.draw(step)
-        return Drawn(self._split.batch(drawn.samples), drawn.samples.numel(), drawn)
+        else:
+            units_drawn = self._sampler.draw(step)
+            idx = units_drawn.samples
+        if getattr(self._split, "pool", None) is None:
+            return Drawn(self._split.batch(idx), idx.numel(), units_drawn)
+        batch, public = self._split.batch_at(idx, seed=self.seeds.sampling, step=step)  # data.negatives_pool
+        return Drawn(batch, idx.numel(), units_drawn, public)
 
     def step(self, drawn: Drawn, epoch: int) -> StepOutput:
         dp, b = self.dp, self.cfg.train.batch_size
@@ -94,7 +99,7 @@ class SparseDPEngine(PrivateEngine):
             res = dp_step(grads, batch_size=b, sampling_rate=self.sampling_rate, clip1=dp.clip1, clip2=dp.clip2,
                           noise_multiplier=dp.noise_multiplier, selector=self.selector,
                           ctx=SelectionContext(epoch=epoch, num_epochs=self.cfg.train.epochs),
-                          generator=self.noise_gen)
+                          generator=self.noise_gen, public_rows=drawn.public_rows)
             self.optimizer.step(res.grad)
             st = res.stats
             self._stats += torch.stack([st.touched_share.new_tensor(float(st.rows_selected)), st.touched_share,
