@@ -185,6 +185,10 @@ def cells(v: str) -> list[dict]:
                    "threshold_sigmas": 1.0}
             add(f"gaussian_threshold-{tag}-f0.25-t1-pool{m}", "brown_cbow_gaussian_threshold.yaml",
                 {"dp.target_epsilon": eps, "dp.selection": sel, "data.negatives_pool": m})
+            if st["max_rows"]:  # <= R/4 rows every step: the pool's <= M distinct rows + at most R/4 - M picks
+                add(f"gaussian_threshold-{tag}-f0.25-t1-pool{m}-cap", "brown_cbow_gaussian_threshold.yaml",
+                    {"dp.target_epsilon": eps, "dp.selection": {**sel, "max_rows": st["max_rows"] - m},
+                     "data.negatives_pool": m})
     return runs
 
 
@@ -204,9 +208,11 @@ DECISIVE = {
              "random_sparsification-eps8-r0.9", "random_sparsification-eps8-r0.75-nocool",
              "random_sparsification-eps8-r0.75-nocool-lr0.003", "random_sparsification-eps8-r0.75-nocool-lr0.01",
              "gaussian_threshold-eps8-f0.25-t1-pool2000", "dpsgd-eps8-lr0.003-pool2000",
-             "gaussian_threshold-eps8-f0.25-t1-pool1000", "dpsgd-eps8-lr0.003-pool1000"],
+             "gaussian_threshold-eps8-f0.25-t1-pool1000", "dpsgd-eps8-lr0.003-pool1000",
+             "gaussian_threshold-eps8-f0.25-t1-pool2000-cap", "gaussian_threshold-eps8-f0.25-t1-pool1000-cap"],
     "full": ["dpsgd-eps8-lr0.003", "gaussian_threshold-eps8-f0.25-t1", "preselect-dpsgd-eps8-K{k2}-half-lr0.003",
-             "nonprivate", "preselect-dpsgd-eps8-K{k}-half-lr0.003"],
+             "nonprivate", "preselect-dpsgd-eps8-K{k}-half-lr0.003", "gaussian_threshold-eps8-f0.25-t1-pool2000",
+             "dpsgd-eps8-lr0.003-pool2000", "gaussian_threshold-eps8-f0.25-t1-pool2000-cap"],
 }
 
 
@@ -246,7 +252,8 @@ def sweep(v: str, only: list[str] | None = None) -> tuple[str, dict]:
         "#   uniform: k                                 random_sparsification: final rate r (gradual cooling);\n"
         "#   -nocool: r = 0.75 every step (1/4 of the rows) at lr in {5e-3, 3e-3, 1e-2}\n"
         "#   -poolM: data.negatives_pool = M (each step's negatives from M ids drawn without the data: public rows),\n"
-        "#   for DP-SGD (lr 3e-3) and gaussian_threshold (f = 0.25, tau = sigma_sel, uncapped), M in {1000, 2000}\n"
+        "#   for DP-SGD (lr 3e-3) and gaussian_threshold (f = 0.25, tau = sigma_sel, uncapped; -cap: max_rows\n"
+        "#   R/4 - M, so that <= R/4 rows are noised every step), M in {1000, 2000}\n"
         "#   gaussian_threshold: (f, tau/sigma_sel) in {(.25, .5), (.25, 1), (.25, 1.5), (.5, .5), (.5, 1)}"
         + (f", max_rows {st['max_rows']}" if st["max_rows"] else "") + "; -nocap: (.1, 1), (.25, 1) uncapped;\n"
         "#   (.25, 1) capped also at lr 1e-2, 2e-2\n"
