@@ -211,14 +211,18 @@ DECISIVE = {
              "gaussian_threshold-eps8-f0.25-t1-pool1000", "dpsgd-eps8-lr0.003-pool1000",
              "gaussian_threshold-eps8-f0.25-t1-pool2000-cap", "gaussian_threshold-eps8-f0.25-t1-pool1000-cap"],
     "full": ["dpsgd-eps8-lr0.003", "gaussian_threshold-eps8-f0.25-t1", "preselect-dpsgd-eps8-K{k2}-half-lr0.003",
-             "nonprivate", "preselect-dpsgd-eps8-K{k}-half-lr0.003", "gaussian_threshold-eps8-f0.25-t1-pool2000",
-             "dpsgd-eps8-lr0.003-pool2000", "gaussian_threshold-eps8-f0.25-t1-pool2000-cap"],
+             "nonprivate", "preselect-dpsgd-eps8-K{k}-half-lr0.003", "gaussian_threshold-eps8-f0.25-t1-pool1000-cap",
+             "gaussian_threshold-eps8-f0.25-t1-pool1000", "dpsgd-eps8-lr0.003-pool1000",
+             "gaussian_threshold-eps8-f0.25-t1-pool2000-cap"],
 }
 
 
 #: The second seed of each mechanism's best cell at eps = 8, picked by validation loss (docs/frontier.json).
 SEEDS = {
-    "v10k": {"dpsgd-eps8-lr0.003": [0, 1], "gaussian_threshold-eps8-f0.25-t1": [0, 1]},
+    "v10k": {"dpsgd-eps8-lr0.003": [0, 1], "gaussian_threshold-eps8-f0.25-t1": [0, 1],
+             "gaussian_threshold-eps8-f0.25-t1-pool1000": [0, 1],
+             "gaussian_threshold-eps8-f0.25-t1-pool1000-cap": [0, 1]},
+    "full": {"gaussian_threshold-eps8-f0.25-t1-pool1000-cap": [0, 1]},
 }
 
 
