@@ -156,3 +156,23 @@ def test_no_subsampling_and_free_steps():
 def test_tiny_noise_raises_clear_error():
     with pytest.raises(P.PLDRangeError, match="noise multiplier"):
         epsilon_for_step(StepSpend(0.01, (GaussianSpend(0.01), ExponentialSpend(0.1, 1))), steps=10, delta=DELTA)
+
+
+@pytest.mark.parametrize("eps_segment", [0.0115, 0.001013])
+def test_pld_refuses_a_step_whose_distribution_is_heavier_than_one(eps_segment):
+    """Sparse vector, c = 500 tiny pure-DP segments, q = 0.005, 4,000 steps: the step's connect-the-dots PMF comes out
+    with mass 1.03 / 1.45 (a non-convex hockey-stick curve on the grid); composed, the FFT overflowed and PLD read
+    1.47 / 0.0 where RDP bounds 0.50 / 0.37 (0.0: an under-report). Refused with a one-line reason instead."""
+    from widedp import accounting
+    from widedp.accounting.pld import PLDRangeError
+    from widedp.dp.spend import SparseVectorSpend
+
+    ledger = accounting.Ledger()
+    ledger.add(StepSpend(0.005, (SparseVectorSpend(epsilon=eps_segment, cutoff=500),)), count=4000)
+    with pytest.raises(PLDRangeError, match="numerically unstable .* use accountant rdp"):
+        accounting.epsilon(ledger, delta=1e-5, accountant="pld")
+    assert 0.3 < accounting.epsilon(ledger, delta=1e-5, accountant="rdp") < 0.6
+    # a nearby segment epsilon whose step PMF is sound still gets its (tighter) PLD figure, stable in the grid
+    ok = accounting.Ledger()
+    ok.add(StepSpend(0.005, (SparseVectorSpend(epsilon=0.003, cutoff=500),)), count=4000)
+    assert accounting.epsilon(ok, delta=1e-5, accountant="pld") == pytest.approx(0.0628, abs=0.001)
