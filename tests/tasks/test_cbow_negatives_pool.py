@@ -1,6 +1,7 @@
 """``data.negatives_pool``: each DP step's negatives come from a pool drawn without the data; its rows are public."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,3 +86,11 @@ def test_pool_is_refused_outside_widedp_dp(tmp_path, capsys):
     cfg = _config(tmp_path, ", negatives_pool: 6", "{name: all}", dp=False)
     assert main(["train", cfg, "--out", str(tmp_path / "r"), "--no-progress"]) == 2
     assert "data.negatives_pool" in capsys.readouterr().err
+
+
+def test_pool_is_refused_with_preselect(tmp_path, capsys):
+    cfg = _config(tmp_path, ", negatives_pool: 6", "{name: all}")
+    path = Path(cfg)
+    path.write_text(path.read_text().replace("selection: {name: all}", "selection: {name: all}, preselect: {rows: 5}"))
+    assert main(["train", cfg, "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    assert "data.negatives_pool: not with dp.preselect" in capsys.readouterr().err

@@ -146,6 +146,9 @@ class CBOWTask(LoopTask):
             raise ConfigError("data.vocabulary: dp is charged to the run's privacy ledger; it needs a dp: section")
         if cfg.data.negatives_pool and not (private and cfg.dp.engine == "widedp"):
             raise ConfigError("data.negatives_pool: applies to DP training with dp.engine: widedp only")
+        if cfg.data.negatives_pool and cfg.dp.preselect is not None:
+            raise ConfigError("data.negatives_pool: not with dp.preselect (the pool's rows would be updated outside "
+                              "the pre-selected rows)")
 
     def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None
               ) -> Built:
