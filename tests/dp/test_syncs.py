@@ -4,14 +4,7 @@ import pytest
 import torch
 from test_step import CTX, random_batch
 
-from widedp.config import (
-    AllRowsConfig,
-    ExponentialSelectionConfig,
-    GaussianThresholdSelectionConfig,
-    RandomSparsificationConfig,
-    SparseVectorSelectionConfig,
-    UniformSelectionConfig,
-)
+import widedp.config as C
 from widedp.dp import selection as sel_mod
 from widedp.dp.optim import LazyAdam
 from widedp.dp.selection import make_selector, sample_distinct
@@ -66,14 +59,14 @@ def test_sample_distinct_never_syncs(monkeypatch, dense_factor, exclude):
 #: Host syncs of one dp_step on the PyTorch path (the one CUDA runs): 1 = learning how many rows the batch touched
 #: (torch.unique); selectors whose output size is random read it once more.
 EXPECTED = {
-    "exponential": (ExponentialSelectionConfig(k=300, epsilon=0.1), 1),
-    "exponential_count": (ExponentialSelectionConfig(k=300, epsilon=0.1, score="count", score_clip=64.0), 1),
-    "uniform": (UniformSelectionConfig(k=300), 1),
-    "random_sparsification": (RandomSparsificationConfig(final_rate=0.5), 1),
-    "all": (AllRowsConfig(), 1),
-    "gaussian_threshold": (GaussianThresholdSelectionConfig(sigma=1.0), 2),
-    "gaussian_threshold_capped": (GaussianThresholdSelectionConfig(sigma=0.5, max_rows=20), 2),
-    "sparse_vector": (SparseVectorSelectionConfig(epsilon=1.0, cutoff=20), 2),  # one copy for the host scan
+    "exponential": (C.ExponentialSelectionConfig(k=300, epsilon=0.1), 1),
+    "exponential_count": (C.ExponentialSelectionConfig(k=300, epsilon=0.1, score="count", score_clip=64.0), 1),
+    "uniform": (C.UniformSelectionConfig(k=300), 1),
+    "random_sparsification": (C.RandomSparsificationConfig(final_rate=0.5), 1),
+    "all": (C.AllRowsConfig(), 1),
+    "gaussian_threshold": (C.GaussianThresholdSelectionConfig(sigma=1.0), 2),
+    "gaussian_threshold_capped": (C.GaussianThresholdSelectionConfig(sigma=0.5, max_rows=20), 2),
+    "sparse_vector": (C.SparseVectorSelectionConfig(epsilon=1.0, cutoff=20), 2),  # one copy for the host scan
 }
 
 
@@ -101,7 +94,7 @@ def test_whole_cbow_step_syncs(tied, expected):
     gen = torch.Generator().manual_seed(3)
     model = CBOW(1000, 16, tied=tied, generator=gen)
     opt = LazyAdam(model.row_tables(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, fused=False)
-    selector = make_selector(ExponentialSelectionConfig(k=100, epsilon=0.1), num_rows=model.num_rows)
+    selector = make_selector(C.ExponentialSelectionConfig(k=100, epsilon=0.1), num_rows=model.num_rows)
     for b in (4, 256):
         batch = CBOWBatch(torch.randint(1000, (b,), generator=gen), torch.randint(1000, (b, 1), generator=gen),
                           torch.randint(1000, (b, 8), generator=gen))

@@ -75,11 +75,15 @@ def _to_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
                for a in (*args[1:], kwargs.get("device")))
 
 
-class _Copies(TorchFunctionMode):
+class _Counting:
+    """What both modes share: the ``HostSyncs`` they count into."""
+
     def __init__(self, counter: HostSyncs) -> None:
         super().__init__()
         self.counter = counter
 
+
+class _Copies(_Counting, TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not _to_host(func, args, kwargs):
@@ -92,11 +96,7 @@ class _Copies(TorchFunctionMode):
             self.counter.reading -= 1
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self, counter: HostSyncs) -> None:
-        super().__init__()
-        self.counter = counter
-
+class _Ops(_Counting, TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = func._overloadpacket.__name__
