@@ -33,6 +33,10 @@ def mechanism(cfg: dict[str, Any]) -> str:
     name = {"all": "DP-SGD"}.get(sel, sel)
     if sel == "exponential" and dp["selection"].get("score") == "count":
         name = "exponential (count)"
+    if sel == "random_sparsification" and not dp["selection"].get("gradual_cooling", True):
+        name = "random_sparsification (no cooling)"
+    if cfg["data"].get("negatives_pool"):
+        name = f"{name} + negatives pool"
     return f"preselect + {name}" if dp.get("preselect") else name
 
 
@@ -51,6 +55,10 @@ def params(cfg: dict[str, Any]) -> str:
         out.append(f"c {s['cutoff']}, ε {s['epsilon']:.3g}")
     elif s["name"] == "random_sparsification":
         out.append(f"rate {s['final_rate']}")
+    if cfg["data"].get("negatives_pool"):
+        out.append(f"pool M {cfg['data']['negatives_pool']}")
+    if dp.get("accountant") == "rdp":
+        out.append("RDP")
     if dp.get("preselect"):
         p = dp["preselect"]
         out.append(f"K {p['rows']}" + (f" ({' + '.join(map(str, p['table_rows']))} per table)"
@@ -89,8 +97,27 @@ def collect(outs: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
     return cells, missing
 
 
+def merge_seeds(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per cell: valid/test loss, rows noised and times averaged over its finished seeds (``seeds``: how
+    many; ``test_range``: max - min test loss over them)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for c in cells:
+        groups.setdefault(str(Path(c["dir"]).parent), []).append(c)
+    out = []
+    for runs in groups.values():
+        m = dict(runs[0])
+        for k in ("valid_loss", "test_loss", "step_ms", "wall_s"):
+            m[k] = sum(r[k] for r in runs) / len(runs)
+        noised = [r["rows_noised"] for r in runs if r["rows_noised"] is not None]
+        m["rows_noised"] = sum(noised) / len(noised) if noised else None
+        m["seeds"] = len(runs)
+        m["test_range"] = max(r["test_loss"] for r in runs) - min(r["test_loss"] for r in runs)
+        out.append(m)
+    return out
+
+
 def markdown(cells: list[dict[str, Any]]) -> str:
-    head = ("| V | mechanism | parameters | ε (PLD) | σ | valid loss | test loss | rows noised / step | step ms |"
+    head = ("| V | mechanism | parameters | ε | σ | valid loss | test loss | rows noised / step | step ms |"
             " wall s |\n|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for c in sorted(cells, key=lambda c: (c["rows"], -(c["target_epsilon"] or 99), c["valid_loss"])):
@@ -98,7 +125,8 @@ def markdown(cells: list[dict[str, Any]]) -> str:
         sig = "–" if c["sigma"] is None else f"{c['sigma']:.4f}"
         rows = "–" if c["rows_noised"] is None else f"{c['rows_noised']:,.0f} of {c['rows']:,} " \
                                                     f"({c['rows_noised'] / c['rows']:.0%})"
-        lines.append(f"| {c['V']} | {c['mechanism']} | {c['params']} | {eps} | {sig} | {c['valid_loss']:.4f} | "
+        seeds = f" ({c['seeds']} seeds, test range {c['test_range']:.3f})" if c.get("seeds", 1) > 1 else ""
+        lines.append(f"| {c['V']} | {c['mechanism']} | {c['params']}{seeds} | {eps} | {sig} | {c['valid_loss']:.4f} | "
                      f"{c['test_loss']:.4f} | {rows} | {c['step_ms']:.0f} | {c['wall_s']:.0f} |")
     return head + "\n".join(lines) + "\n"
 
@@ -153,6 +181,7 @@ def main() -> None:
     ap.add_argument("--png", type=Path)
     a = ap.parse_args()
     cells, missing = collect(a.outs)
+    cells = merge_seeds(cells)
     print(markdown(cells))
     if missing:
         print("not finished:", ", ".join(missing))
