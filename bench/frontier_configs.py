@@ -227,7 +227,16 @@ SEEDS = {
 }
 
 
-def sweep(v: str, only: list[str] | None = None) -> tuple[str, dict]:
+#: The pooled-negative cells at eps = 1 and 3 (the eps = 8 ones are in DECISIVE), with the same names as in the
+#: whole grids: run with --out runs/frontier_<v> so that the cell directories are the grids' own.
+POOLED = {
+    "v10k": ["dpsgd-eps{e}-lr0.003-pool1000", "gaussian_threshold-eps{e}-f0.25-t1-pool1000-cap",
+             "gaussian_threshold-eps{e}-f0.25-t1-pool1000"],
+    "full": ["dpsgd-eps3-lr0.003-pool1000", "gaussian_threshold-eps3-f0.25-t1-pool1000-cap"],
+}
+
+
+def sweep(v: str, only: list[str] | None = None, tag: str = "eps8") -> tuple[str, dict]:
     st = SETTINGS[v]
     k = st["rows"] // 4  # the pre-selection's rows
     runs = cells(v)
@@ -240,16 +249,21 @@ def sweep(v: str, only: list[str] | None = None) -> tuple[str, dict]:
     name = f"frontier_{v}"
     if only is not None:
         by_name = {r["name"]: r for r in runs}
-        runs = [by_name[n.format(k=k, k2=2 * k)] for n in only]
+        epsilons = (8,) if tag == "eps8" else (1, 3)
+        names = dict.fromkeys(n.format(k=k, k2=2 * k, e=e) for e in epsilons for n in only)
+        runs = [by_name[n] for n in names if n in by_name]
         for r in runs:
             if r["name"] in SEEDS.get(v, {}):
                 r["seeds"] = SEEDS[v][r["name"]]
-        epsilons, name = (8,), f"frontier_{v}_eps8"
-    panels = {f"target ε = {eps}": [r["name"] for r in runs if f"-eps{eps}-" in r["name"]] + ["nonprivate"]
-              for eps in epsilons}
+        name = f"frontier_{v}_{tag}"
+    np_ = ["nonprivate"] if any(r["name"] == "nonprivate" for r in runs) else []
+    panels = {f"target ε = {eps}": [r["name"] for r in runs if f"-eps{eps}-" in r["name"]] + np_
+              for eps in epsilons if any(f"-eps{eps}-" in r["name"] for r in runs)}
     header = (
         f"# Privacy-utility frontier, {st['title']} — written by bench/frontier_configs.py (edit that, not this).\n"
-        + ("# Only the eps = 8 cells that decide issue 13's targets, in run order.\n" if only else "")
+        + ("# Only the eps = 8 cells that decide issue 13's targets, in run order.\n" if only and tag == "eps8" else "")
+        + (f"# Only the pooled-negative cells at eps = 1 and 3 (cells of configs/frontier_{v}.yaml: run with\n"
+           f"# --out runs/frontier_{v}).\n" if tag == "pool" else "")
         + "# Every DP cell at target epsilon in {1, 3, 8}, delta 1e-5 (add/remove one pair, PLD), sigma calibrated;\n"
         "# lazy Adam. Grid per epsilon (budget split f: see bench/frontier_configs.py):\n"
         "#   dpsgd: lr in {1e-3, 3e-3, 1e-2}            exponential (gradient-norm scores): k, f (eps'' per pick)\n"
@@ -278,10 +292,11 @@ class _NoAliases(yaml.SafeDumper):
 
 
 def main() -> None:
-    jobs = [(v, None) for v in SETTINGS] + [(v, names) for v, names in DECISIVE.items()]
-    for v, only in jobs:
-        header, body = sweep(v, only)
-        path = ROOT / "configs" / f"frontier_{v}{'_eps8' if only else ''}.yaml"
+    jobs = ([(v, None, "") for v in SETTINGS] + [(v, names, "eps8") for v, names in DECISIVE.items()]
+            + [(v, names, "pool") for v, names in POOLED.items()])
+    for v, only, tag in jobs:
+        header, body = sweep(v, only, tag or "eps8")
+        path = ROOT / "configs" / f"frontier_{v}{'_' + tag if tag else ''}.yaml"
         path.write_text(header + yaml.dump(body, Dumper=_NoAliases, sort_keys=False, allow_unicode=True, width=120))
         print(f"wrote {path} ({len(body['runs'])} runs)")
 
