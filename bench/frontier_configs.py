@@ -222,7 +222,12 @@ DECISIVE = {
 SEEDS = {
     "v10k": {"dpsgd-eps8-lr0.003": [0, 1], "gaussian_threshold-eps8-f0.25-t1": [0, 1],
              "gaussian_threshold-eps8-f0.25-t1-pool1000": [0, 1],
-             "gaussian_threshold-eps8-f0.25-t1-pool1000-cap": [0, 1]},
+             "gaussian_threshold-eps8-f0.25-t1-pool1000-cap": [0, 1],
+             # the best cell of every other mechanism (validation)
+             "random_sparsification-eps8-r0.9": [0, 1], "uniform-eps8-k5000": [0, 1],
+             "preselect-dpsgd-eps8-K5000-half-lr0.003": [0, 1], "sparse_vector-eps8-c2000-f0.5": [0, 1],
+             "exponential_count-eps8-k2000-f0.5": [0, 1], "exponential-eps8-k2000-f0.5": [0, 1],
+             "random_sparsification-eps8-r0.75-nocool": [0, 1]},
     "full": {"gaussian_threshold-eps8-f0.25-t1-pool1000-cap": [0, 1]},
 }
 
