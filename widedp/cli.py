@@ -10,6 +10,7 @@
     widedp canary --runs RUN_DIR [RUN_DIR ...] --out DIR       evaluate runs trained with canaries
     widedp compare SWEEP.yaml --out DIR [--set key=value ...]  configs x seeds -> curves.png, results.md/.json
     widedp compare SWEEP.yaml --out DIR --overwrite            rerun the runs whose config changed
+    widedp compare SWEEP.yaml --out DIR --keep-going           skip (and report) runs whose config fails
 
 Bad input (arguments, config keys, values, files) gives one line on stderr and exit code 2; a new run that fails
 that way leaves no run directory behind (``widedp.run.rundir``). glibc malloc is tuned for large batches first
@@ -73,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true",
                    help="rerun (from scratch) the runs in --out whose recorded config differs from the sweep's; "
                         "without it such a run directory is an error")
+    c.add_argument("--keep-going", action="store_true",
+                   help="a run whose config fails (e.g. an infeasible target epsilon) is reported and skipped; the "
+                        "results cover the others and the exit status is 2")
     _canary_parser(sub)
     return p
 
@@ -182,7 +186,8 @@ def _run(args: argparse.Namespace) -> int:
 
         out = Path(args.out) if args.out else default_out(args.sweep)
         progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
-        compare(args.sweep, out, overrides=args.overrides, progress=progress, overwrite=args.overwrite)
+        compare(args.sweep, out, overrides=args.overrides, progress=progress, overwrite=args.overwrite,
+                keep_going=args.keep_going)
         print((out / "results.md").read_text(), end="")
         return 0
     raise AssertionError(args.cmd)  # pragma: no cover

@@ -114,3 +114,24 @@ def test_base_configs_are_read_strictly(sweep, tmp_path, capsys):
     base.write_text(base.read_text().replace("model: {dim: 4}\n", "").replace("dp: {", "dp:\n#{"))
     assert _compare(sweep, tmp_path / "out") == 2
     assert "dp: is present but empty" in capsys.readouterr().err
+
+
+def test_keep_going_skips_a_failing_run_and_reports_it(sweep, tmp_path, capsys):
+    """An infeasible target ε in the middle of a sweep: without --keep-going the sweep stops there (exit 2, one
+    line); with it the later runs still train, results cover them, and the exit status is 2 naming the failure."""
+    text = sweep.read_text().replace(
+        "  - {name: exp,",
+        "  - {name: bad, config: base.yaml, set: {dp.target_epsilon: 0.0001, dp.calibrate: noise_multiplier,"
+        " dp.selection: {name: exponential, k: 4, epsilon: 0.5}}}\n  - {name: exp,")
+    text = text.replace("[uni, exp]", "[uni, bad, exp]")
+    sweep.write_text(text)
+    out = tmp_path / "o"
+    assert _compare(sweep, out) == 2
+    assert not (out / "exp" / "seed0" / "summary.json").exists()  # stopped at 'bad'
+    capsys.readouterr()
+    assert _compare(sweep, out, "--keep-going") == 2
+    err = capsys.readouterr().err
+    assert "bad seed 0: FAILED" in err and "1 run(s) failed" in err and "bad (seed0)" in err
+    assert (out / "exp" / "seed0" / "summary.json").exists()
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["uni", "exp"]

@@ -26,6 +26,7 @@ never a run's privacy).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -228,9 +229,11 @@ def plan(d: Path, cfg: Config, *, overwrite: bool = False) -> str:
                       f"{cfg.hash()}); use a new --out, or pass --overwrite to rerun it")
 
 
-def run_sweep(sweep: Sweep, out: Path, *, progress: bool = False, overwrite: bool = False) -> dict[Path, str]:
+def run_sweep(sweep: Sweep, out: Path, *, progress: bool = False, overwrite: bool = False,
+              keep_going: bool = False) -> dict[Path, str]:
     """Train every run x seed the plan says to (``plan``); every directory is checked before anything trains.
-    Returns run directory -> action."""
+    Returns run directory -> action (``"failed: <one line>"`` for a run whose config error ``keep_going`` passed
+    over: the sweep goes on with the next run)."""
     from widedp.run.train import train
     from widedp.tasks import AlgorithmTask, get_task
 
@@ -241,6 +244,7 @@ def run_sweep(sweep: Sweep, out: Path, *, progress: bool = False, overwrite: boo
             cfg = run.config(seed)
             todo.append((run, seed, d, cfg, plan(d, cfg, overwrite=overwrite)))
     data_cache: dict[Any, Any] = {}
+    failed: dict[Path, str] = {}
     for run, seed, d, cfg, action in todo:
         print(f"widedp compare: {run.name} seed {seed} -> {d}: {ACTIONS[action]}", file=sys.stderr, flush=True)
         if action == "reuse":
@@ -252,9 +256,15 @@ def run_sweep(sweep: Sweep, out: Path, *, progress: bool = False, overwrite: boo
             if key not in data_cache:
                 data_cache = {key: task.shared_data(cfg)}  # keep one prepared corpus in memory at a time
             data = data_cache[key]
-        train(cfg, d, resume=action == "resume", overwrite=action in ("restart", "rerun"), progress=progress,
-              data=data)
-    return {d: action for _, _, d, _, action in todo}
+        try:
+            train(cfg, d, resume=action == "resume", overwrite=action in ("restart", "rerun"), progress=progress,
+                  data=data)
+        except ConfigError as e:
+            if not keep_going:
+                raise
+            print(f"widedp compare: {run.name} seed {seed}: FAILED: {e}", file=sys.stderr, flush=True)
+            failed[d] = f"failed: {e}"
+    return {d: failed.get(d, action) for _, _, d, _, action in todo}
 
 
 def history_of(d: Path) -> list[dict[str, Any]]:
@@ -347,16 +357,40 @@ def results_markdown(rows: list[dict[str, Any]], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def finished_part(sweep: Sweep, out: Path) -> Sweep:
+    """``sweep`` restricted to the seeds whose run finished (``summary.json``); runs with none are dropped."""
+    runs = []
+    for r in sweep.runs:
+        seeds = tuple(s for s in r.seeds if (run_dir(out, r.name, s) / "summary.json").is_file())
+        if seeds:
+            runs.append(dataclasses.replace(r, seeds=seeds))
+    names = {r.name for r in runs}
+    groups = None if sweep.groups is None else tuple(
+        (t, tuple(n for n in members if n in names)) for t, members in sweep.groups
+        if any(n in names for n in members))
+    return dataclasses.replace(sweep, runs=tuple(runs), panels=tuple(n for n in sweep.panels if n in names),
+                               groups=groups)
+
+
 def compare(path: str | Path, out: Path, *, overrides: list[str] | tuple[str, ...] = (), progress: bool = False,
-            overwrite: bool = False) -> list[dict[str, Any]]:
-    """Run the sweep (reusing finished runs of the same config) and write curves.png, results.md, results.json."""
+            overwrite: bool = False, keep_going: bool = False) -> list[dict[str, Any]]:
+    """Run the sweep (reusing finished runs of the same config) and write curves.png, results.md, results.json.
+    ``keep_going``: a run's config error is reported and the sweep goes on; the outputs cover the runs that
+    finished, and a ``ConfigError`` naming the failed ones is raised at the end."""
     from widedp.run.compare_plots import plot_curves
 
     sweep = load_sweep(path, overrides)
     out.mkdir(parents=True, exist_ok=True)
-    run_sweep(sweep, out, progress=progress, overwrite=overwrite)
-    rows = summarize(sweep, out)
-    plot_curves(sweep, out, out / "curves.png")
+    actions = run_sweep(sweep, out, progress=progress, overwrite=overwrite, keep_going=keep_going)
+    failed = [f"{d.parent.name} ({d.name})" for d, a in actions.items() if a.startswith("failed")]
+    if failed:
+        sweep = finished_part(sweep, out)
+    rows = summarize(sweep, out) if sweep.runs else []
+    if sweep.runs:
+        plot_curves(sweep, out, out / "curves.png")
     write_json(out / "results.json", {"sweep": str(sweep.path), "rows": rows})
     (out / "results.md").write_text(results_markdown(rows, f"Results of {sweep.path.name}"))
+    if failed:
+        raise ConfigError(f"{len(failed)} run(s) failed (each reported above; the results cover the others): "
+                          + ", ".join(failed))
     return rows
