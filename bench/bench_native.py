@@ -10,7 +10,7 @@ paper: Brown paper preset (V=1K, D=100, b=20, tied, exponential k=100, as bench/
     (its PrivacyEngine, dense Adam; 500 steps) in the same run: ratios vs Opacus; every case once per round, the
     best of ``--rounds`` kept. Plus the DP step + lazy Adam alone on precomputed grads (µs).
 large: synthetic Zipf CBOW batches (D=128, 8 negatives, tied table, exponential k=1024, lazy Adam): ms per step
-    (per-sample grads + dp_step + optimizer) fused vs reference, alternating on one model and one optimizer, and
+    (per-sample grads + dp_step + optimizer; fused: the native CBOW gradients too) fused vs reference, alternating on one model and one optimizer, and
     the clip + aggregate part and the optimizer part alone.
 Both parts count, for one clip + aggregate (large: also for one whole step), the ATen calls, the bytes read +
 written by them (each op's whole input and output tensors: an upper bound, a gather counts its whole table; the
@@ -203,7 +203,7 @@ def large_case(V: int, batch: int, dim: int, k: int, steps: int, alternations: i
         bt = batches[state["t"] % 4]
         state["t"] += 1
         with torch.inference_mode():
-            _, gr = model.per_sample_row_grads(bt)
+            _, gr = model.per_sample_row_grads(bt, fused=state["fused"])
             res = dp_step(gr, batch_size=batch, sampling_rate=0.01, clip1=1.0, clip2=1.0, noise_multiplier=1.0,
                           selector=selector, ctx=ctx, generator=gen, fused=state["fused"])
             opt.step(res.grad)

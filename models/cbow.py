@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from widedp import native
 from widedp.dp.rowgrads import PerSampleRows
 
 
@@ -127,7 +128,7 @@ class CBOW(nn.Module):
 
     # --------------------------------------------------------------------------------------------- closed form
 
-    def per_sample_row_grads(self, batch: CBOWBatch) -> tuple[Tensor, PerSampleRows]:
+    def per_sample_row_grads(self, batch: CBOWBatch, *, fused: bool | None = None) -> tuple[Tensor, PerSampleRows]:
         """Per-sample loss [B] and gradients over the row space, in closed form (no autograd).
 
         With s_t = sigma(out[t].h) - 1 and s_n = sigma(out[n].h): d/d out[t] = s_t h, d/d out[n] = s_n h,
@@ -136,6 +137,9 @@ class CBOW(nn.Module):
         it under ``torch.inference_mode()`` for speed; the returned tensors do not require grad. A NaN or an inf in
         a row a sample uses stays in that sample's loss and gradients (every op is per sample); ``dp_step`` zeroes
         such a sample (issue 16).
+
+        ``fused``: the whole computation as one native CPU call (``widedp.native.cbow_row_grads``; None: when
+        available; False: these PyTorch ops, the reference): the same rows and offsets, values within 1e-6.
 
         Returns:
             loss [B]; PerSampleRows with rows sorted by (sample, row), unique within each sample.
@@ -146,6 +150,11 @@ class CBOW(nn.Module):
         B, C = ctx.shape
         D = w_in.shape[1]
         R = self.num_rows
+        if native.use(fused, w_in, w_out, ctx):
+            out_ids = torch.cat([batch.target.unsqueeze(1), batch.negatives], 1)
+            loss, values, rows, offsets = native.cbow_row_grads(w_in, w_out, ctx, out_ids, num_rows=R,
+                                                                out_shift=R - self.vocab_size)
+            return loss, PerSampleRows(values=values, rows=rows, offsets=offsets, num_rows=R)
         out_ids = torch.cat([batch.target.unsqueeze(1), batch.negatives], 1)  # [B, L], L = 1 + K
         L = out_ids.shape[1]
         onehot, sign, shift = self._constants(C, L, w_in)

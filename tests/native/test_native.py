@@ -266,3 +266,49 @@ def test_build_is_cached_and_named_by_source():
     path = native.build(quiet=True)
     assert path.exists() and path == native.library_path() and path.parent == native.build_dir()
     assert native.build(quiet=True) == path  # second call: no compile
+
+
+def _cbow_case(gen: torch.Generator, *, tied: bool, C: int, dtype: torch.dtype, V: int = 40, B: int = 96):
+    model = CBOW(V, 12, tied=tied, generator=gen).to(dtype)
+    if not tied:
+        model.output.weight.data.normal_(generator=gen)
+    ctx = torch.randint(V, (B, C), generator=gen)
+    if C > 1:
+        ctx[torch.rand(B, C, generator=gen) < 0.3] = -1  # padding, some samples fully padded
+        ctx[:3] = -1
+    # a small V: repeated negatives, negatives equal to the context (tied), duplicate context ids
+    return model, CBOWBatch(torch.randint(V, (B,), generator=gen), ctx, torch.randint(V, (B, 8), generator=gen))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("C", [1, 4])
+def test_cbow_row_grads_equal_the_reference(dtype, tied, C):
+    """The native CBOW per-sample gradients: the same rows and offsets, values and losses within 1e-6 of the
+    magnitudes involved (dot products accumulate in double there, in float in the reference's bmm)."""
+    gen = torch.Generator().manual_seed(7)
+    model, batch = _cbow_case(gen, tied=tied, C=C, dtype=dtype)
+    with torch.inference_mode():
+        loss, ref = model.per_sample_row_grads(batch, fused=False)
+        loss2, got = model.per_sample_row_grads(batch, fused=True)
+    assert torch.equal(got.rows, ref.rows) and torch.equal(got.offsets, ref.offsets) and got.num_rows == ref.num_rows
+    assert got.values.dtype == dtype and loss2.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(got.values, ref.values, atol=tol * ref.values.abs().max().item(), rtol=0)
+    torch.testing.assert_close(loss2, loss, atol=tol * loss.abs().max().item(), rtol=0)
+
+
+def test_cbow_row_grads_keep_nonfinite_rows_in_their_samples():
+    """A NaN or inf in a row a sample uses stays in that sample (as the reference): the same samples are
+    non-finite, the others equal."""
+    gen = torch.Generator().manual_seed(8)
+    model, batch = _cbow_case(gen, tied=False, C=1, dtype=torch.float32)
+    model.output.weight.data[3, 0] = float("nan")
+    model.input.weight.data[5, 1] = float("inf")
+    with torch.inference_mode():
+        loss, ref = model.per_sample_row_grads(batch, fused=False)
+        loss2, got = model.per_sample_row_grads(batch, fused=True)
+    bad = ~torch.isfinite(ref.values).all(1)
+    assert torch.equal(bad, ~torch.isfinite(got.values).all(1)) and bad.any()
+    torch.testing.assert_close(got.values[~bad], ref.values[~bad], atol=1e-6, rtol=0)
+    assert torch.equal(torch.isfinite(loss), torch.isfinite(loss2))

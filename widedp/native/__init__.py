@@ -132,3 +132,11 @@ def lazy_adam_(weights: list[Tensor], moments: list[Tensor], steps: list[Tensor]
                grad: Tensor, coef: Tensor | None, *, lr: float, betas: tuple[float, float], eps: float) -> None:
     """``optim.LazyAdam.step`` on every table in place; global ``rows`` [k] (distinct), ``grad`` [k, D]."""
     torch.ops.widedp.lazy_adam_(weights, moments, steps, bounds, rows, grad, coef, lr, betas[0], betas[1], eps)
+
+
+def cbow_row_grads(w_in: Tensor, w_out: Tensor, context: Tensor, out_ids: Tensor, *, num_rows: int,
+                   out_shift: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``CBOW.per_sample_row_grads`` in one native call: loss [B], values [nnz, D], global rows [nnz] (ascending
+    within each sample, unique), offsets [B + 1]. ``out_ids`` [B, L]: target then negatives; ``out_shift``: the
+    output table's first global row (V untied, 0 tied)."""
+    return torch.ops.widedp.cbow_row_grads(w_in, w_out, context, out_ids, num_rows, out_shift)

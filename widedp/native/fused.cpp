@@ -3,6 +3,7 @@
 // clip_aggregate: per-sample clip at S1 + (1/b) sum over rows: one radix sort of the row ids, then one pass over
 //   the samples (norm, then its rows added into ghat); the clipped [nnz, D] values are never materialised.
 // lazy_adam_:     the moment and weight update of the selected rows of every table, in place.
+// cbow_row_grads: CBOW's per-sample loss and row gradients (coalesced per sample), in two passes over the batch.
 //
 // The reference semantics are the PyTorch functions widedp/clipping.py (clip_per_sample, aggregate) and
 // widedp/optim.py (LazyAdam.step); tests/test_native.py holds the two together. Only ATen and torch/library.h
@@ -306,10 +307,134 @@ void lazy_adam_(at::TensorList weights, at::TensorList moments, at::TensorList s
   });
 }
 
+// CBOW.per_sample_row_grads (widedp/models/cbow.py is the reference): per-sample loss and row gradients of CBOW
+// with negative sampling, each sample's duplicate rows summed (in entry order: context entries, then target and
+// negatives), rows ascending within a sample. Pass 1 (parallel over samples): h, the scores, s, dloss/dh and the
+// sample's distinct rows; pass 2: offsets; pass 3 (parallel): each distinct row's summed gradient. Dot products
+// and sums over rows accumulate in double.
+template <typename T>
+std::tuple<Tensor, Tensor, Tensor, Tensor> cbow_row_grads_impl(const Tensor& w_in, const Tensor& w_out,
+                                                               const Tensor& context, const Tensor& out_ids,
+                                                               int64_t num_rows, int64_t out_shift) {
+  const int64_t B = context.size(0), C = context.size(1), L = out_ids.size(1), D = w_in.size(1), E = C + L;
+  const T* win = w_in.const_data_ptr<T>();
+  const T* wout = w_out.const_data_ptr<T>();
+  const int64_t* ctx = context.const_data_ptr<int64_t>();
+  const int64_t* out = out_ids.const_data_ptr<int64_t>();
+  std::vector<T> h(B * D), gh(B * D), s(B * L), wts(B);
+  std::vector<int64_t> ids(B * E), order(B * E), count(B);
+  auto loss_t = at::empty({B}, w_in.options());
+  T* loss = loss_t.mutable_data_ptr<T>();
+  at::parallel_for(0, B, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<double> acc(D);
+    for (int64_t j = lo; j < hi; ++j) {
+      const int64_t* cj = ctx + j * C;
+      int64_t m = 0;
+      for (int64_t c = 0; c < C; ++c) m += cj[c] >= 0;
+      const T w = T(1) / T(std::max<int64_t>(m, 1));  // the reference: mask / count.clamp_min(1), in T
+      wts[j] = w;
+      T* hj = h.data() + j * D;
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t c = 0; c < C; ++c)
+        if (cj[c] >= 0)
+          for (int64_t d = 0; d < D; ++d) acc[d] += double(w) * double(win[cj[c] * D + d]);
+      for (int64_t d = 0; d < D; ++d) hj[d] = T(acc[d]);
+      const int64_t* oj = out + j * L;
+      double lsum = 0;
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t l = 0; l < L; ++l) {
+        const T* e = wout + oj[l] * D;
+        double dot = 0;
+        for (int64_t d = 0; d < D; ++d) dot += double(hj[d]) * double(e[d]);
+        const double x = l == 0 ? -dot : dot;  // softplus(sign * score), torch's threshold 20
+        lsum += x > 20 ? x : std::log1p(std::exp(x));
+        const T sl = T(1.0 / (1.0 + std::exp(-dot)) - (l == 0 ? 1.0 : 0.0));
+        s[j * L + l] = sl;
+        for (int64_t d = 0; d < D; ++d) acc[d] += double(sl) * double(e[d]);
+      }
+      loss[j] = T(lsum);
+      for (int64_t d = 0; d < D; ++d) gh[j * D + d] = T(acc[d]);
+      // entries: context rows (a padded one: the target's output row, zero gradient), then the output rows
+      int64_t* id = ids.data() + j * E;
+      for (int64_t c = 0; c < C; ++c) id[c] = cj[c] >= 0 ? cj[c] : oj[0] + out_shift;
+      for (int64_t l = 0; l < L; ++l) id[C + l] = oj[l] + out_shift;
+      int64_t* ord = order.data() + j * E;
+      for (int64_t i = 0; i < E; ++i) ord[i] = i;
+      std::stable_sort(ord, ord + E, [&](int64_t a, int64_t b) { return id[a] < id[b]; });
+      int64_t n = 0;
+      for (int64_t i = 0; i < E; ++i) n += i == 0 || id[ord[i]] != id[ord[i - 1]];
+      count[j] = n;
+    }
+  });
+  auto offsets_t = at::empty({B + 1}, context.options());
+  int64_t* off = offsets_t.mutable_data_ptr<int64_t>();
+  off[0] = 0;
+  for (int64_t j = 0; j < B; ++j) off[j + 1] = off[j] + count[j];
+  const int64_t nnz = off[B];
+  auto values_t = at::empty({nnz, D}, w_in.options());
+  auto rows_t = at::empty({nnz}, context.options());
+  T* val = values_t.mutable_data_ptr<T>();
+  int64_t* rows = rows_t.mutable_data_ptr<int64_t>();
+  at::parallel_for(0, B, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) {
+      const int64_t* id = ids.data() + j * E;
+      const int64_t* ord = order.data() + j * E;
+      const int64_t* cj = ctx + j * C;
+      int64_t at = off[j] - 1;
+      for (int64_t i = 0; i < E; ++i) {
+        const int64_t e = ord[i];
+        T* o = val + (at + 1) * D;
+        if (i == 0 || id[e] != id[ord[i - 1]]) {
+          ++at;
+          rows[at] = id[e];
+          std::fill(o, o + D, T(0));
+        } else {
+          o = val + at * D;
+        }
+        if (e < C) {  // context entry: wts * dloss/dh (0 when padded)
+          if (cj[e] < 0) continue;
+          const T w = wts[j];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * gh[j * D + d];
+        } else {  // output entry l: s_l * h
+          const T sl = s[j * L + (e - C)];
+          for (int64_t d = 0; d < D; ++d) o[d] += sl * h[j * D + d];
+        }
+      }
+    }
+  });
+  (void)num_rows;
+  return {loss_t, values_t, rows_t, offsets_t};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> cbow_row_grads(const Tensor& w_in_, const Tensor& w_out_,
+                                                          const Tensor& context_, const Tensor& out_ids_,
+                                                          int64_t num_rows, int64_t out_shift) {
+  TORCH_CHECK(w_in_.dim() == 2 && w_out_.dim() == 2 && w_in_.size(1) == w_out_.size(1) &&
+                  w_in_.scalar_type() == w_out_.scalar_type(),
+              "cbow_row_grads: expected tables [V, D] of one dtype");
+  TORCH_CHECK(context_.dim() == 2 && out_ids_.dim() == 2 && context_.size(0) == out_ids_.size(0) &&
+                  out_ids_.size(1) >= 1 && context_.scalar_type() == at::kLong &&
+                  out_ids_.scalar_type() == at::kLong,
+              "cbow_row_grads: expected context [B, C] and output ids [B, L] int64");
+  const Tensor w_in = w_in_.contiguous(), w_out = w_out_.contiguous(), context = context_.contiguous(),
+               out_ids = out_ids_.contiguous();
+  const int64_t* c = context.const_data_ptr<int64_t>();
+  const int64_t* o = out_ids.const_data_ptr<int64_t>();
+  bool ok = true;
+  for (int64_t i = 0; i < context.numel(); ++i) ok = ok && c[i] < w_in.size(0);
+  for (int64_t i = 0; i < out_ids.numel(); ++i) ok = ok && o[i] >= 0 && o[i] < w_out.size(0);
+  TORCH_CHECK(ok, "cbow_row_grads: ids out of range");
+  return AT_DISPATCH_FLOATING_TYPES(w_in.scalar_type(), "cbow_row_grads", [&] {
+    return cbow_row_grads_impl<scalar_t>(w_in, w_out, context, out_ids, num_rows, out_shift);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(widedp, m) {
   m.def("clip_aggregate(Tensor values, Tensor rows, Tensor offsets, int num_rows, float clip1, float alpha)"
+        " -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("cbow_row_grads(Tensor w_in, Tensor w_out, Tensor context, Tensor out_ids, int num_rows, int out_shift)"
         " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("lazy_adam_(Tensor(a!)[] weights, Tensor(b!)[] moments, Tensor(c!)[] steps, int[] bounds, Tensor rows,"
         " Tensor grad, Tensor? coef, float lr, float beta1, float beta2, float eps) -> ()");
@@ -318,4 +443,5 @@ TORCH_LIBRARY(widedp, m) {
 TORCH_LIBRARY_IMPL(widedp, CPU, m) {
   m.impl("clip_aggregate", &clip_aggregate);
   m.impl("lazy_adam_", &lazy_adam_);
+  m.impl("cbow_row_grads", &cbow_row_grads);
 }
