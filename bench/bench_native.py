@@ -10,8 +10,8 @@ paper: Brown paper preset (V=1K, D=100, b=20, tied, exponential k=100, as bench/
     (its PrivacyEngine, dense Adam; 500 steps) in the same run: ratios vs Opacus; every case once per round, the
     best of ``--rounds`` kept. Plus the DP step + lazy Adam alone on precomputed grads (µs).
 large: synthetic Zipf CBOW batches (D=128, 8 negatives, tied table, exponential k=1024, lazy Adam): ms per step
-    (per-sample grads + dp_step + optimizer; fused: the native CBOW gradients too) fused vs reference, alternating on one model and one optimizer, and
-    the clip + aggregate part and the optimizer part alone.
+    (per-sample grads + dp_step + optimizer; fused: the native CBOW gradients too) fused vs reference, alternating
+    on one model and one optimizer, and the clip + aggregate part and the optimizer part alone.
 Both parts count, for one clip + aggregate (large: also for one whole step), the ATen calls, the bytes read +
 written by them (each op's whole input and output tensors: an upper bound, a gather counts its whole table; the
 native op counted as reading ``values`` twice) and the fresh allocations of >= [nnz, D] elements (a
