@@ -99,7 +99,7 @@ def test_whole_cbow_step_syncs(tied, expected):
         batch = CBOWBatch(torch.randint(1000, (b,), generator=gen), torch.randint(1000, (b, 1), generator=gen),
                           torch.randint(1000, (b, 8), generator=gen))
         with torch.inference_mode(), HostSyncs() as s:
-            _, grads = model.per_sample_row_grads(batch)
+            _, grads = model.per_sample_row_grads(batch, fused=False)  # the PyTorch path (the one CUDA runs)
             res = dp_step(grads, batch_size=float(b), sampling_rate=0.01, clip1=1.0, clip2=1.0, noise_multiplier=1.0,
                           selector=selector, ctx=CTX, generator=gen, fused=False)
             opt.step(res.grad)
