@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from widedp.cli import main
 from widedp.config import SELECTIONS, UniformSelectionConfig, config_from_dict, load_config
 from widedp.config.tools import read_config_file
 from widedp.errors import ConfigError
@@ -212,3 +213,9 @@ def test_exponent_numbers_that_yaml_reads_as_strings_are_numbers(tmp_path):
     assert config_from_dict({"dp": {"delta": "1e-6", "selection": {"name": "all"}}}).dp.delta == 1e-6
     with pytest.raises(ConfigError, match="dp.delta: expected a number"):
         config_from_dict({"dp": {"delta": "1e-6x", "selection": {"name": "all"}}})
+
+
+def test_a_sweep_file_given_as_a_config_says_so(capsys):
+    assert main(["epsilon", str(ROOT / "configs" / "honest_eps.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "a sweep file (it has runs:)" in err and "widedp compare" in err and err.count("\n") == 1

@@ -231,6 +231,8 @@ class Config:
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config (UTF-8, no repeated keys), apply ``key.path=value`` overrides, and validate it."""
     raw = read_config_file(path)
+    if isinstance(raw, dict) and "runs" in raw and "train" not in raw:
+        raise ConfigError(f"{path}: a sweep file (it has runs:), not a config; run it with widedp compare")
     for ov in overrides:
         apply_override(raw, ov)
     return config_from_dict(raw)
