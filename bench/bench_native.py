@@ -145,7 +145,7 @@ def step_only(data: Any, steps: int) -> dict[str, Any]:
     from widedp.dp.selection import SelectionContext, make_selector
     from widedp.dp.step import dp_step
     from widedp.models.cbow import CBOW
-    from widedp.run.train import SplitTensors
+    from widedp.tasks.cbow import SplitTensors
 
     split = SplitTensors.of(data.train, torch.device("cpu"))
     n, b, V = len(split), 20, len(data.vocab)
