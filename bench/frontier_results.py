@@ -150,27 +150,35 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     rows_of = {c["V"]: c["rows"] for c in cells}
     vs = sorted({k[0] for k in best}, key=rows_of.get)
     mechs_all = sorted({k[1] for k in best if k[1] not in ("non-private", "DP-SGD")})
-    colors = {m: f"C{i}" for i, m in enumerate(mechs_all)} | {"DP-SGD": "black"}
-    fig, axes = plt.subplots(1, len(vs), figsize=(5.5 * len(vs), 4.2), squeeze=False)
+    cmap = plt.get_cmap("tab20")
+    colors = {m: cmap(i % 20) for i, m in enumerate(mechs_all)} | {"DP-SGD": "black"}
+    fig, axes = plt.subplots(1, len(vs), figsize=(5.5 * len(vs), 5.2), squeeze=False)
+    handles: dict[str, Any] = {}
     for ax, v in zip(axes[0], vs):
         mechs = sorted({k[1] for k in best if k[0] == v and k[1] != "non-private"})
+        dpsgd = [c["test_loss"] for k, c in best.items() if k[0] == v and k[1] == "DP-SGD"]
+        top = max(dpsgd) + 0.8 if dpsgd else None  # cells far above DP-SGD are off-scale (in the table / JSON)
         for m in mechs:
             pts = sorted((c["epsilon"], c["test_loss"], c) for k, c in best.items() if k[0] == v and k[1] == m)
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            ax.plot(xs, ys, "o-", label=m, color=colors[m], lw=2 if m == "DP-SGD" else 1.5)
+            bold = m == "DP-SGD" or "negatives pool" in m and m.startswith("gaussian")
+            (line,) = ax.plot(xs, ys, "o-", label=m, color=colors[m], lw=2.5 if bold else 1.2)
+            handles.setdefault(m, line)
             for x, y, c in pts:
-                if c["rows_noised"] is not None and m != "DP-SGD":
+                if c["rows_noised"] is not None and m != "DP-SGD" and (top is None or y <= top):
                     ax.annotate(f"{c['rows_noised'] / c['rows']:.0%}", (x, y), fontsize=7, xytext=(4, 2),
                                 textcoords="offset points")
         np_ = [c for k, c in best.items() if k[0] == v and k[1] == "non-private"]
         if np_:
-            ax.axhline(np_[0]["test_loss"], color="gray", ls="--", label="non-private")
+            handles["non-private"] = ax.axhline(np_[0]["test_loss"], color="gray", ls="--", label="non-private")
+        if top is not None:
+            ax.set_ylim(top=top, bottom=(np_[0]["test_loss"] - 0.1) if np_ else None)
         ax.set_title(f"{v}: best cell per mechanism (by validation)", fontsize=9)
         ax.set_xlabel("ε (PLD, δ = 1e-5, add/remove one pair)")
-        ax.set_ylabel("test loss")
-        ax.legend(fontsize=7)
+        ax.set_ylabel("test loss (cells > DP-SGD + 0.8 off-scale)")
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=5, fontsize=8, frameon=False)
     fig.suptitle("CBOW on Brown: test loss vs ε (labels: share of rows noised per step)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
 
 
