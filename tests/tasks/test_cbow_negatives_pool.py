@@ -18,7 +18,7 @@ PROBS = COUNTS.pow(0.75) / COUNTS.pow(0.75).sum()
 
 
 def test_pool_depends_on_seed_and_step_only():
-    pool = NegativePool(PROBS.double(), 50, row_offset=V)
+    pool = NegativePool.of(PROBS.double().numpy(), 50, row_offset=V, device="cpu")
     t1, t2 = torch.zeros(30, dtype=torch.long), torch.randint(V, (7,), generator=torch.Generator().manual_seed(0))
     _, p1 = pool.draw(t1, 4, seed=9, step=3)
     _, p2 = pool.draw(t2, 4, seed=9, step=3)  # another batch, same step: the same public rows
@@ -30,7 +30,7 @@ def test_pool_depends_on_seed_and_step_only():
 def test_negatives_follow_unigram_075_and_avoid_the_target():
     """χ² of the negatives of a rare target against unigram^0.75 (the move-to-next rule touches only its rare
     collisions), over many steps; no negative equals its target (9 pool neighbours in a row would have to)."""
-    pool = NegativePool(PROBS.double(), 64, row_offset=0)
+    pool = NegativePool.of(PROBS.double().numpy(), 64, row_offset=0, device="cpu")
     counts = np.zeros(V)
     same = 0
     for step in range(4000):  # one pick per step: picks of one step share a pool (correlated, same marginal)
@@ -53,7 +53,8 @@ def test_split_batch_at_uses_the_pool_only_when_set():
     split = SplitTensors(t % V, (t + 1).view(-1, 1) % V, torch.zeros(6, 3, dtype=torch.long))
     b, public = split.batch_at(t[:4], seed=0, step=0)
     assert public is None and torch.equal(b.negatives, split.negatives[:4])
-    pooled = SplitTensors(split.target, split.context, split.negatives, pool=NegativePool(PROBS.double(), 10, 0))
+    pool = NegativePool.of(PROBS.double().numpy(), 10, row_offset=0, device="cpu")
+    pooled = SplitTensors(split.target, split.context, split.negatives, pool=pool)
     b, public = pooled.batch_at(t[:4], seed=0, step=0)
     assert public is not None and b.negatives.shape == (4, 3) and torch.isin(b.negatives, public).all()
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -17,6 +18,7 @@ from widedp.accounting.statement import UnitFacts
 from widedp.config import Config
 from widedp.data_prep import corpus as corpus_mod
 from widedp.data_prep.cbow import CBOWData, Split, prepare_cbow
+from widedp.data_prep.samples import alias_table
 from widedp.dp import units
 from widedp.dp import vocab as vocab_dp
 from widedp.dp.rng import derived_seed
@@ -31,22 +33,33 @@ VOCAB_NOT_COVERED = ("vocabulary not private: the vocabulary (the top-V words of
 
 @dataclass(frozen=True)
 class NegativePool:
-    """``data.negatives_pool``: each step's pool of M negative ids, i.i.d. from ``probs`` (unigram^0.75), a function
-    of (seed, step) alone; ``row_offset``: the output table's first global row (V untied, 0 tied)."""
+    """``data.negatives_pool``: each step's pool of ``size`` negative ids, i.i.d. from unigram^0.75 by Walker's alias
+    method (``keep`` [V], ``alias`` [V]: O(size) a step, whatever V), a function of (seed, step) alone;
+    ``row_offset``: the output table's first global row (V untied, 0 tied)."""
 
-    probs: torch.Tensor
+    keep: torch.Tensor
+    alias: torch.Tensor
     size: int
     row_offset: int
     #: a pick equal to its target moves to the next pool entry up to this many times (left equal: p^9 per pick)
     MOVES = 8
 
+    @classmethod
+    def of(cls, weights: np.ndarray, size: int, *, row_offset: int, device: torch.device | str) -> NegativePool:
+        """The pool drawing ids with probability ∝ ``weights`` [V] (counts ** 0.75)."""
+        keep, alias = alias_table(np.asarray(weights, dtype=np.float64))
+        return cls(torch.as_tensor(keep, device=device), torch.as_tensor(alias, dtype=torch.long, device=device),
+                   size, row_offset)
+
     def draw(self, target: torch.Tensor, k: int, *, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, k] negatives for the samples of ``target`` [B], each a uniform pick from the step's pool, moved to
         the next pool entry while equal to its target (``MOVES``); [P] the pool's distinct global output rows,
         sorted)."""
-        dev = self.probs.device
+        dev = self.keep.device
         gen = torch.Generator(device=dev).manual_seed(derived_seed(seed, f"negatives-pool:{step}"))
-        pool = torch.multinomial(self.probs, self.size, replacement=True, generator=gen)
+        i = torch.randint(self.keep.numel(), (self.size,), generator=gen, device=dev)
+        u = torch.rand(self.size, generator=gen, device=dev, dtype=torch.float64)
+        pool = torch.where(u < self.keep.index_select(0, i), i, self.alias.index_select(0, i))
         pick = torch.randint(self.size, (target.numel(), k), generator=gen, device=dev)
         neg = pool.index_select(0, pick.view(-1)).view(-1, k)
         for shift in range(1, 1 + min(self.MOVES, self.size - 1)):  # (no host sync: a fixed number of moves)
@@ -116,8 +129,8 @@ def build_cbow(cfg: Config, out: Path, *, device: torch.device, data: CBOWData |
     model = CBOW(len(data.vocab), cfg.model.dim, tied=cfg.model.tied, sparse=cfg.model.sparse,
                  init_scale=cfg.model.init_scale, generator=init_gen).to(device)
     if cfg.data.negatives_pool:
-        probs = torch.as_tensor(data.counts, dtype=torch.float64, device=device).pow(0.75)
-        pool = NegativePool(probs / probs.sum(), cfg.data.negatives_pool, model.num_rows - model.vocab_size)
+        pool = NegativePool.of(np.asarray(data.counts, dtype=np.float64) ** 0.75, cfg.data.negatives_pool,
+                               row_offset=model.num_rows - model.vocab_size, device=device)
         splits["train"] = replace(splits["train"], pool=pool)
     return splits, model
 
