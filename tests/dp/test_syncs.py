@@ -104,3 +104,14 @@ def test_whole_cbow_step_syncs(tied, expected):
                           selector=selector, ctx=CTX, generator=gen, fused=False)
             opt.step(res.grad)
         assert s.total == expected, dict(s.by_op)
+
+
+def test_public_rows_add_two_syncs():
+    gen = torch.Generator().manual_seed(4)
+    selector = make_selector(C.GaussianThresholdSelectionConfig(sigma=1.0), num_rows=20_000)
+    for batch in (8, 200):
+        g = random_batch(gen, batch=batch, num_rows=20_000, dim=4)
+        with HostSyncs() as s:
+            dp_step(g, batch_size=float(batch), sampling_rate=0.01, clip1=1.0, clip2=1.0, noise_multiplier=1.0,
+                    selector=selector, ctx=CTX, generator=gen, fused=False, public_rows=torch.arange(0, 20_000, 7))
+        assert s.total == 4, dict(s.by_op)

@@ -108,8 +108,8 @@ def dp_step(
     sel_touched, sel_ghat = touched[:u], ghat[:u]
 
     if public_rows is not None and public_rows.numel():
-        private = ~torch.isin(sel_touched, public_rows)
-        sel_touched, sel_ghat = sel_touched[private], sel_ghat[private]
+        private = (~torch.isin(sel_touched, public_rows)).nonzero().squeeze(1)  # (one host sync for both)
+        sel_touched, sel_ghat = sel_touched.index_select(0, private), sel_ghat.index_select(0, private)
     scores, score_sens = selection_scores(selector.score_kind, g, sel_touched, sel_ghat, score_clip=selector.score_clip,
                                           clip1=clip1, batch_size=batch_size)
     selected = selector.select(sel_touched, scores, selectable_rows=selectable, score_sensitivity=score_sens, ctx=ctx,
