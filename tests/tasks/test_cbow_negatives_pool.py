@@ -22,8 +22,10 @@ def test_pool_depends_on_seed_and_step_only():
     t1, t2 = torch.zeros(30, dtype=torch.long), torch.randint(V, (7,), generator=torch.Generator().manual_seed(0))
     _, p1 = pool.draw(t1, 4, seed=9, step=3)
     _, p2 = pool.draw(t2, 4, seed=9, step=3)  # another batch, same step: the same public rows
-    _, p3 = pool.draw(t1, 4, seed=9, step=4)
+    n1, p3 = pool.draw(t1, 4, seed=9, step=4)
+    n2, _ = pool.draw(t1, 4, seed=9, step=4)
     assert torch.equal(p1, p2) and not torch.equal(p1, p3)
+    assert torch.equal(n1, n2)  # a resumed run redraws a lost step's negatives exactly
     assert p1.min() >= V and torch.equal(p1, p1.unique())  # output rows of an untied model, sorted
 
 
