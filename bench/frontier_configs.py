@@ -150,9 +150,10 @@ def cells(v: str) -> list[dict]:
         c = st["cutoff"]
         sel = with_selection_eps({"name": "sparse_vector", "epsilon": None, "cutoff": c, "threshold": 0.01,
                                   "threshold_fraction": 0.5, "score_clip": 0.05}, *split, 0.5 * eps)
-        # (eps < 8: RDP; PLD refuses these steps: c tiny pure-DP segments make its step PMF unstable)
+        # (RDP where PLD refuses these steps: c tiny pure-DP segments make its step PMF unstable: eps < 8, and V = 1K)
+        rdp = eps < 8 or v == "v1k"
         add(f"sparse_vector-{tag}-c{c}-f0.5", "brown_cbow_sparse_vector.yaml",
-            {"dp.target_epsilon": eps, "dp.selection": sel, **({"dp.accountant": "rdp"} if eps < 8 else {})})
+            {"dp.target_epsilon": eps, "dp.selection": sel, **({"dp.accountant": "rdp"} if rdp else {})})
         for k in st["k"]:
             add(f"uniform-{tag}-k{k}", "brown_cbow_sparse_uniform.yaml",
                 {"dp.target_epsilon": eps, "dp.selection": {"name": "uniform", "k": k}})
