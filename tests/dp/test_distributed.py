@@ -44,12 +44,11 @@ def _chi2_p(counts: dict, law: dict, n: int) -> float:
 
 def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
+    from distributed_toy import single_and_sharded, tiny_recsys
+
     from widedp.config import AllRowsConfig, ExponentialSelectionConfig, UniformSelectionConfig
-    from widedp.config.recsys import RecsysDataConfig, RecsysModelConfig
-    from widedp.data_prep.interactions import RecsysSplit, prepare_interactions
     from widedp.dp.distributed import (
         RowShard,
-        ShardedRecsys,
         apply_update,
         distributed_dp_step,
         init_process_group,
@@ -59,14 +58,10 @@ def _worker(rank: int, port: int) -> None:
     from widedp.dp.optim import make_row_optimizer
     from widedp.dp.selection import SelectionContext, make_selector
     from widedp.dp.step import dp_step
-    from widedp.tasks.recsys import build_model
 
     init_process_group(rank, WORLD, port=port, backend="gloo")
     ctx = SelectionContext(epoch=0, num_epochs=1)
-    data = prepare_interactions(RecsysDataConfig(num_users=11, num_items=13, num_interactions=400, num_tags=6,
-                                                 tags_per_item=3, context_cardinality=5, cache_dir=""))
-    split = RecsysSplit(data.train, "cpu")
-    mcfg = RecsysModelConfig(dim=4, hidden=(6,), init_scale=0.3)
+    data, split, mcfg = tiny_recsys()
 
     def gathered(grad) -> torch.Tensor:
         """The ranks' updates (global ids) summed into [R + A, D]; the replicated dense rows from rank 0 only."""
@@ -82,8 +77,7 @@ def _worker(rank: int, port: int) -> None:
 
     # ---- 1. updates and selection equal a single process over 3 steps (data-independent selections)
     for sel_cfg in (UniformSelectionConfig(k=7), AllRowsConfig()):
-        single = build_model(data.cardinality, mcfg, seed=0)
-        sharded = ShardedRecsys(build_model(data.cardinality, mcfg, seed=0), shard_of(single, rank, WORLD))
+        single, sharded = single_and_sharded(data, mcfg, rank, WORLD)
         opt_s = make_row_optimizer("sgd", single.row_tables(), lr=0.5)
         opt_d = make_row_optimizer("sgd", sharded.local_tables(), lr=0.5)
         selector = make_selector(sel_cfg, num_rows=single.num_rows)
@@ -126,8 +120,7 @@ def _worker(rank: int, port: int) -> None:
         assert _chi2_p(counts, _law(2 * logits, k), n) < 1e-6  # negative control: a factor-2 error is caught
 
     # ---- 3. noise once per selected row at sigma·Δ₂ (exponential selection, MLP rows from rank 0)
-    single = build_model(data.cardinality, mcfg, seed=0)
-    sharded = ShardedRecsys(build_model(data.cardinality, mcfg, seed=0), shard_of(single, rank, WORLD))
+    single, sharded = single_and_sharded(data, mcfg, rank, WORLD)
     selector = make_selector(ExponentialSelectionConfig(k=10, epsilon=1.0, score_clip=0.05),
                              num_rows=single.num_rows)
     batch = split.batch(torch.arange(40))
@@ -157,8 +150,7 @@ def _worker(rank: int, port: int) -> None:
 
     # ---- 4. a NaN / inf in one sample's rows on ONE rank (or in its replicated MLP part) zeroes that sample on
     # every rank, as in a single process: same selection and update as dp_step, finite, counted
-    single = build_model(data.cardinality, mcfg, seed=0)
-    sharded = ShardedRecsys(build_model(data.cardinality, mcfg, seed=0), shard_of(single, rank, WORLD))
+    single, sharded = single_and_sharded(data, mcfg, rank, WORLD)
     owner1 = shard_of(single, 1, WORLD)
     selector = make_selector(UniformSelectionConfig(k=7), num_rows=single.num_rows)
     batch = split.batch(torch.arange(40))

@@ -12,22 +12,17 @@ WORLD = 2
 
 def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
+    from distributed_toy import single_and_sharded, tiny_recsys
+
     from widedp.config import GaussianThresholdSelectionConfig, SparseVectorSelectionConfig
-    from widedp.config.recsys import RecsysDataConfig, RecsysModelConfig
-    from widedp.data_prep.interactions import RecsysSplit, prepare_interactions
-    from widedp.dp.distributed import ShardedRecsys, distributed_dp_step, init_process_group, shard_of
+    from widedp.dp.distributed import distributed_dp_step, init_process_group
     from widedp.dp.selection import SelectionContext, make_selector
     from widedp.dp.step import dp_step
-    from widedp.tasks.recsys import build_model
 
     init_process_group(rank, WORLD, port=port, backend="gloo")
     ctx = SelectionContext(epoch=0, num_epochs=1)
-    data = prepare_interactions(RecsysDataConfig(num_users=11, num_items=13, num_interactions=400, num_tags=6,
-                                                 tags_per_item=3, context_cardinality=5, cache_dir=""))
-    split = RecsysSplit(data.train, "cpu")
-    mcfg = RecsysModelConfig(dim=4, hidden=(6,), init_scale=0.3)
-    single = build_model(data.cardinality, mcfg, seed=0)
-    sharded = ShardedRecsys(build_model(data.cardinality, mcfg, seed=0), shard_of(single, rank, WORLD))
+    data, split, mcfg = tiny_recsys()
+    single, sharded = single_and_sharded(data, mcfg, rank, WORLD)
     cfgs = (GaussianThresholdSelectionConfig(sigma=0.5, threshold=1.5),
             SparseVectorSelectionConfig(epsilon=5.0, threshold=4.0, cutoff=6, score="count", score_clip=40.0))
     for sel_cfg in cfgs:

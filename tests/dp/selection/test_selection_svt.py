@@ -3,10 +3,9 @@ brute-force one (privacy.md §4.7); broken skips are detected; R = 10^12 runs.""
 
 import time
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
+from test_selection import two_sample_pvalue
 
 import widedp.dp.selection.base as selection_base
 import widedp.dp.selection.svt as svt
@@ -15,16 +14,6 @@ from widedp.dp.selection import SelectionContext, SparseVectorSelector, make_sel
 
 CTX = SelectionContext(epoch=0, num_epochs=1)
 
-
-def two_sample_pvalue(a, b) -> float:
-    keys = sorted(set(a) | set(b))
-    ca = {o: 0 for o in keys}
-    cb = dict(ca)
-    for o in a:
-        ca[o] += 1
-    for o in b:
-        cb[o] += 1
-    return float(stats.chi2_contingency(np.array([[ca[o] for o in keys], [cb[o] for o in keys]])).pvalue)
 
 
 def draws(sel, touched, scores, num_rows, n, seed, du=1.0):
