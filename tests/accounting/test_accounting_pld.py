@@ -2,13 +2,13 @@
 separately-subsampled shortcut as negative control), the paper setting (the contract every accountant meets, count=k
 composition included: test_accounting_contract.py)."""
 
-import itertools
 import math
 
 import numpy as np
 import pytest
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pldm
+from laws import ordered_law
 
 from widedp.accounting import epsilon_for_step, paper_selection_epsilon
 from widedp.accounting import pld as P
@@ -55,15 +55,8 @@ def test_bounded_range_envelope_is_sup_over_t():
 
 def _exp_mech_law(scores, eps, k):
     """Exact law of k sequential exponential-mechanism picks (scores in units of the sensitivity)."""
-    out = {}
-    for perm in itertools.permutations(range(len(scores)), k):
-        p, rem = 1.0, list(range(len(scores)))
-        for i in perm:
-            w = np.exp(eps * scores[rem] / 2)
-            p *= math.exp(eps * scores[i] / 2) / w.sum()
-            rem.remove(i)
-        out[perm] = p
-    return np.array([out[o] for o in sorted(out)])
+    law = ordered_law(eps * np.asarray(scores, dtype=np.float64) / 2, k)
+    return np.array([law[o] for o in sorted(law)])
 
 
 def _hockey(p, q, x):

@@ -11,29 +11,16 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from laws import ordered_law
 from scipy import stats
 
 WORLD = 2
-
-
-def _law(logits: np.ndarray, k: int) -> dict[tuple[int, ...], float]:
-    """Exact P(ordered picks) of k sequential exponential-mechanism picks with weights exp(logits)."""
-    w = np.exp(logits)
-    out = {}
-    for seq in itertools.permutations(range(len(w)), k):
-        p, left = 1.0, w.sum()
-        for r in seq:
-            p *= w[r] / left
-            left -= w[r]
-        out[seq] = p
-    return out
 
 
 def _chi2_p(counts: dict, law: dict, n: int) -> float:
@@ -116,8 +103,8 @@ def _worker(rank: int, port: int) -> None:
                                   k=k, generator=gen)
         counts[tuple(sel.tolist())] = counts.get(tuple(sel.tolist()), 0) + 1
     if rank == 0:
-        assert _chi2_p(counts, _law(logits, k), n) > 1e-3
-        assert _chi2_p(counts, _law(2 * logits, k), n) < 1e-6  # negative control: a factor-2 error is caught
+        assert _chi2_p(counts, ordered_law(logits, k), n) > 1e-3
+        assert _chi2_p(counts, ordered_law(2 * logits, k), n) < 1e-6  # negative control: a factor-2 error is caught
 
     # ---- 3. noise once per selected row at sigma·Δ₂ (exponential selection, MLP rows from rank 0)
     single, sharded = single_and_sharded(data, mcfg, rank, WORLD)

@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from laws import ordered_law
 from scipy import stats
 
 import widedp.dp.selection.base as selection_base
@@ -40,19 +41,6 @@ def _dense_factor(monkeypatch, value: int) -> None:
     """Set ``_DENSE_FACTOR`` where ``sample_distinct`` and the exponential selector read it."""
     monkeypatch.setattr(selection_base, "_DENSE_FACTOR", value)
     monkeypatch.setattr(selection_exponential, "_DENSE_FACTOR", value)
-
-
-def ordered_law(logits, k: int) -> dict[tuple[int, ...], float]:
-    """Exact law of k sequential exponential-mechanism picks without replacement, P(r) ∝ exp(logits_r)."""
-    w = np.exp(np.asarray(logits, dtype=np.float64))
-    law = {}
-    for o in itertools.permutations(range(len(w)), k):
-        p, left = 1.0, w.sum()
-        for r in o:
-            p *= w[r] / left
-            left -= w[r]
-        law[o] = p
-    return law
 
 
 def law_pvalue(draws, law: dict[tuple[int, ...], float]) -> float:
