@@ -10,6 +10,8 @@ if "NLTK_DATA" not in os.environ and SHARED_NLTK.is_dir():
     os.environ["NLTK_DATA"] = str(SHARED_NLTK)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(1)
+if not torch.cuda.is_available():  # Triton kernels (widedp/native/gpu.py) run in Triton's interpreter on CPU tensors;
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # it must be set before Triton is first imported
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from widedp import native
 from widedp.dp.rowgrads import PerSampleRows
+from widedp.native import gpu
 
 
 @dataclass(frozen=True)
@@ -127,9 +128,13 @@ def aggregate(g: PerSampleRows, *, batch_size: float, always_from: int | None = 
 
 def clip_aggregate(g: PerSampleRows, *, clip1: float, batch_size: float, fused: bool | None = None,
                    always_from: int | None = None) -> tuple[Tensor, Tensor, ClipInfo]:
-    """``clip_per_sample`` then ``aggregate``: touched [U], ghat [U, D] and ``ClipInfo``. ``fused``: one native CPU
-    pass (``widedp.native``; None: when available and ``g`` is on the CPU; False: these PyTorch functions).
-    ``always_from``: as ``aggregate``'s."""
+    """``clip_per_sample`` then ``aggregate``: touched [U], ghat [U, D] and ``ClipInfo``. ``fused``: one native
+    pass (``widedp.native`` on the CPU, its Triton kernel on CUDA; None: when available; False: these PyTorch
+    functions). ``always_from``: as ``aggregate``'s."""
+    if gpu.use(fused, g.values) and (out := gpu.clip_aggregate(
+            g.values, g.rows, g.offsets, num_rows=g.num_rows, clip1=clip1, batch_size=batch_size,
+            always_from=always_from, strict=fused is True)) is not None:
+        return out[0], out[1], ClipInfo(out[2], out[3])
     if native.use(fused, g.values):
         touched, ghat, clipped, nonfinite = native.clip_aggregate(
             g.values, g.rows, g.offsets, num_rows=g.num_rows, clip1=clip1, batch_size=batch_size)

@@ -30,6 +30,7 @@ from torch import Tensor
 from widedp import native
 from widedp.dp.rowgrads import SparseRows
 from widedp.errors import ConfigError
+from widedp.native import gpu
 
 Tables = list[tuple[int, Tensor]]
 
@@ -119,8 +120,8 @@ class RowSGD(_Base):
 class LazyAdam(_Base):
     """Adam on the given rows only, with per-row step counters (see the module docstring).
 
-    ``fused``: update every table in one native CPU call (``widedp.native``; None: when available and the tables
-    are contiguous CPU tensors; False: the op-by-op PyTorch update, the reference).
+    ``fused``: update every table in one native call (``widedp.native`` on the CPU, its Triton kernel on CUDA;
+    None: when available and the tables are contiguous; False: the op-by-op PyTorch update, the reference).
     """
 
     #: Longest bias-correction table (rows); beyond its last entry both corrections are exactly 1 in float64.
@@ -134,7 +135,8 @@ class LazyAdam(_Base):
         weights = [w for _, w in self.tables]
         if fused is None and not all(w.is_contiguous() for w in weights):
             fused = False
-        self.fused = native.use(fused, *weights)
+        self.gpu = gpu.use(fused, *weights)  # Triton on CUDA; else the C++ kernel on the CPU
+        self.fused = not self.gpu and native.use(fused, *weights)
         self._bound_list = self._bounds.tolist()
         # m and v of a table stacked as [n, 2, D]: one gather and one scatter per step instead of two each
         self.moments = [w.new_zeros(w.shape[0], 2, w.shape[1]) for _, w in self.tables]
@@ -148,6 +150,11 @@ class LazyAdam(_Base):
             coef = torch.stack([1 / (1 - self.b1**t), 1 / (1 - self.b2**t).sqrt()], 1)
             w0 = self.tables[0][1]
             self._table = coef.to(dtype=w0.dtype, device=w0.device)
+        elif self.gpu and fused:
+            raise ValueError(f"fused=True: the Triton lazy Adam needs betas whose bias corrections reach 1 within "
+                             f"{self.MAX_TABLE} steps, got {betas}")
+        self.gpu = self.gpu and self._table is not None
+        self._strict = fused is True
 
     def _state(self) -> dict[str, Tensor]:
         d = {f"moments.{i}": m for i, m in enumerate(self.moments)}
@@ -163,6 +170,12 @@ class LazyAdam(_Base):
 
     @torch.no_grad()
     def step(self, grad: SparseRows) -> None:
+        if self.gpu:
+            if gpu.lazy_adam_([w for _, w in self.tables], self.moments, self.steps, self._bound_list, grad.rows,
+                              grad.values, self._table, lr=self.lr, betas=(self.b1, self.b2), eps=self.eps,
+                              strict=self._strict):
+                return
+            self.gpu = False  # the kernel could not run (warned once): the PyTorch update from now on
         if self.fused:
             native.lazy_adam_([w for _, w in self.tables], self.moments, self.steps, self._bound_list, grad.rows,
                               grad.values, self._table, lr=self.lr, betas=(self.b1, self.b2), eps=self.eps)

@@ -92,7 +92,8 @@ def dp_step(
     they are still part of each sample's S1 clip, of Δ̂'s S2 clip and get the same N(0, (σΔ₂)²) noise, so Δ₂ and
     the spend are unchanged. A = 0 is exactly the step without this option.
 
-    ``fused``: clip and aggregate in one native CPU pass (``clipping.clip_aggregate``; None: when available).
+    ``fused``: clip and aggregate in one native pass (C++ on the CPU, Triton on CUDA: ``clipping.clip_aggregate``;
+    None: when available).
 
     ``public_rows`` [P] sorted unique selectable ids chosen without looking at the data (``data.negatives_pool``'s
     pool): selected this step besides the mechanism's picks, for free (their inclusion is data-independent), with

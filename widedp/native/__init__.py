@@ -2,7 +2,7 @@
 
 The PyTorch functions stay the reference (``widedp.dp.clipping``, ``widedp.dp.optim.LazyAdam``); these are used when the
 library is available, the tensors are on the CPU and ``WIDEDP_NATIVE`` is not ``0``. Otherwise widedp says so
-once (a warning) and runs the PyTorch path.
+once (a warning) and runs the PyTorch path. On CUDA, ``widedp.native.gpu`` runs Triton counterparts of the first two.
 
 Build: one compiler call (``$CXX``, default ``c++``; flags and paths from ``torch.utils.cpp_extension``; no ninja,
 no Python headers), ~20 s, into ``build_dir()``: ``scripts/setup_env.sh`` runs ``python -m widedp.native`` once;
