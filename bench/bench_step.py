@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_step.py                 # both parts, JSON to bench/out/bench_step.json
     .venv/bin/python bench/bench_step.py --part paper    # 1. paper preset (V=1K, D=100, b=20): samples/s
     .venv/bin/python bench/bench_step.py --part vocab --vocab 1e4 1e5 1e6 1e7   # 2. step time + peak RSS vs V
+    .venv/bin/python bench/bench_step.py --part vocab --device cuda --vocab 1e5 1e6 1e7 --batch 8192  # 2. on a GPU
 
 Part 1 runs the training inner loop (sampling, per-sample row grads, DP step, optimizer, ledger) on the Brown
 paper-preset data; ratios are against non-private training of the same model with dense Adam and with SparseAdam
@@ -15,6 +16,9 @@ sparse vector (c=1024). A (V, method) that fails (out of memory, killed) is prin
 with its reason, and "largest over smallest V" is taken over the V values that ran (named: ``over``, ``vocabs_ran``).
 Every subprocess tunes glibc malloc as the ``widedp`` CLI does (``widedp.allocator``; ``WIDEDP_MALLOC=system`` for
 glibc's defaults) and reports its CPU time (user + system) and minor page faults per timed step.
+``--device cuda`` (part 2): tables, batches and the step on the GPU (the Triton kernels where they apply), times
+taken after ``torch.cuda.synchronize``, peak GPU memory (``max_memory_allocated``) beside the RSS, and one more
+method, dense DP-SGD (``selection: all``: every row selected and noised, lazy Adam), the issue-15 baseline.
 """
 
 from __future__ import annotations
@@ -37,17 +41,19 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 
 
-def _median_time(fn, *, steps: int, repeats: int = 5, usage: dict | None = None) -> float:
+def _median_time(fn, *, steps: int, repeats: int = 5, usage: dict | None = None, sync=lambda: None) -> float:
     """Median over ``repeats`` of the mean seconds per call over ``steps`` calls (after a warm-up); ``usage`` gets
     the minor page faults and the CPU ms (user + system) per timed call."""
     for _ in range(min(steps, 50)):
         fn()
+    sync()
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(steps):
             fn()
+        sync()  # a GPU step is timed when its kernels have finished, not when they were queued
         times.append((time.perf_counter() - t0) / steps)
     if usage is not None:
         r1, calls = resource.getrusage(resource.RUSAGE_SELF), repeats * steps
@@ -143,11 +149,12 @@ def paper_preset(steps: int) -> dict:
 # -------------------------------------------------------------------------------------- part 2: step cost vs V
 
 
-def one_vocab_case(vocab: int, method: str, dim: int, batch: int, k: int, steps: int) -> dict:
-    """Runs inside a subprocess: step time and peak RSS of one (V, method)."""
+def one_vocab_case(vocab: int, method: str, dim: int, batch: int, k: int, steps: int, device: str = "cpu") -> dict:
+    """Runs inside a subprocess: step time and peak RSS (and peak GPU memory on CUDA) of one (V, method)."""
     from scipy.stats import norm
 
     from widedp.config import (
+        AllRowsConfig,
         ExponentialSelectionConfig,
         GaussianThresholdSelectionConfig,
         SparseVectorSelectionConfig,
@@ -156,10 +163,11 @@ def one_vocab_case(vocab: int, method: str, dim: int, batch: int, k: int, steps:
     from widedp.dp.selection import SelectionContext, make_selector
     from widedp.dp.step import dp_step
     from widedp.models.cbow import CBOW, CBOWBatch
+    from widedp.native import gpu as gpu_kernels
 
     g = torch.Generator().manual_seed(0)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    model = CBOW(vocab, dim, sparse=True, generator=g)
+    model = CBOW(vocab, dim, sparse=True, generator=g).to(device)
     table_bytes = vocab * dim * 4
     # Zipf-like ids: heavy head, long tail, like words / items.
     ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
@@ -168,7 +176,10 @@ def one_vocab_case(vocab: int, method: str, dim: int, batch: int, k: int, steps:
     def draw(shape: tuple[int, ...]) -> torch.Tensor:
         return torch.multinomial(probs, int(torch.tensor(shape).prod()), replacement=True, generator=g).view(shape)
 
-    batches = [CBOWBatch(draw((batch,)), draw((batch, 1)), draw((batch, 8))) for _ in range(8)]
+    batches = [CBOWBatch(draw((batch,)), draw((batch, 1)), draw((batch, 8))).to(device) for _ in range(8)]
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     state = {"t": 0}
     if method == "nonprivate_sparse_adam":
         opt = torch.optim.SparseAdam(list(model.parameters()), lr=1e-3)
@@ -189,8 +200,10 @@ def one_vocab_case(vocab: int, method: str, dim: int, batch: int, k: int, steps:
             sel_cfg = GaussianThresholdSelectionConfig(sigma=2.0, threshold=2.0 * float(norm.isf(100 / model.num_rows)))
         elif method == "dp_sparse_vector_lazy_adam":
             sel_cfg = SparseVectorSelectionConfig(epsilon=1.0, threshold=0.01, cutoff=k, score_clip=0.1)
+        elif method == "dpsgd_dense_lazy_adam":
+            sel_cfg = AllRowsConfig()
         selector = make_selector(sel_cfg, num_rows=model.num_rows)
-        gen = torch.Generator().manual_seed(1)
+        gen = torch.Generator(device=device).manual_seed(1)
         ctx = SelectionContext(epoch=0, num_epochs=1)
 
         def one() -> None:
@@ -203,9 +216,11 @@ def one_vocab_case(vocab: int, method: str, dim: int, batch: int, k: int, steps:
                 ropt.step(res.grad)
 
     usage: dict = {}
-    sec = _median_time(one, steps=steps, repeats=3, usage=usage)
+    sec = _median_time(one, steps=steps, repeats=3, usage=usage, sync=torch.cuda.synchronize if cuda else lambda: None)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"vocab": vocab, "method": method, "dim": dim, "batch": batch, "k": k, "step_ms": sec * 1e3,
+    gpu = {"device": torch.cuda.get_device_name(), "peak_gpu_gb": torch.cuda.max_memory_allocated() / 2**30,
+           "triton": gpu_kernels.use(None, model.input.weight.detach())} if cuda else {}
+    return gpu | {"vocab": vocab, "method": method, "dim": dim, "batch": batch, "k": k, "step_ms": sec * 1e3,
             "cpu_ms_per_step": usage["cpu_ms"], "minflt_per_step": usage["minflt"],
             "peak_rss_gb": peak / 2**30, "baseline_rss_gb": rss0 * 1024 / 2**30,
             "tables_plus_state_gb": (table_bytes + state_bytes) / 2**30,
@@ -216,11 +231,12 @@ VOCAB_METHODS = ("nonprivate_sparse_adam", "dp_sparse_lazy_adam", "dp_sparse_sgd
                  "dp_sparse_vector_lazy_adam")
 
 
-def vocab_sweep(vocabs: list[int], dim: int, batch: int, k: int, steps: int) -> list[dict]:
+def vocab_sweep(vocabs: list[int], dim: int, batch: int, k: int, steps: int, device: str = "cpu") -> list[dict]:
     rows = []
     for vocab in vocabs:
-        for method in VOCAB_METHODS:
-            cmd = [sys.executable, __file__, "--one", str(vocab), method, str(dim), str(batch), str(k), str(steps)]
+        for method in VOCAB_METHODS + (("dpsgd_dense_lazy_adam",) if device != "cpu" else ()):
+            cmd = [sys.executable, __file__, "--one", str(vocab), method, str(dim), str(batch), str(k), str(steps),
+                   device]
             r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if r.returncode != 0:
                 why = (r.stderr.strip().splitlines() or [""])[-1]
@@ -243,26 +259,27 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--k", type=int, default=1024)
     ap.add_argument("--vocab-steps", type=int, default=20)
-    ap.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cpu", help="part 2 on this device (cuda: one GPU)")
+    ap.add_argument("--one", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     malloc = tune_malloc()["status"]  # as the widedp CLI does (WIDEDP_MALLOC=system: glibc's defaults)
     if args.one:
-        v, m, d, b, k, s = args.one
-        print(json.dumps(one_vocab_case(int(v), m, int(d), int(b), int(k), int(s)) | {"malloc": malloc}))
+        v, m, d, b, k, s, dev = args.one
+        print(json.dumps(one_vocab_case(int(v), m, int(d), int(b), int(k), int(s), dev) | {"malloc": malloc}))
         return
     OUT.mkdir(parents=True, exist_ok=True)
-    out: dict = {"torch": torch.__version__, "threads": 1}
+    out: dict = {"torch": torch.__version__, "threads": 1, "device": args.device}
     if args.part in ("paper", "both"):
         out["paper"] = paper_preset(args.steps)
         print(json.dumps(out["paper"], indent=2), flush=True)
     if args.part in ("vocab", "both"):
-        rows = vocab_sweep([int(v) for v in args.vocab], args.dim, args.batch, args.k, args.vocab_steps)
+        rows = vocab_sweep([int(v) for v in args.vocab], args.dim, args.batch, args.k, args.vocab_steps, args.device)
         out["vocab"] = rows
         by = {(r["vocab"], r["method"]): r for r in rows if "step_ms" in r}
         ratios: dict = {}
         flat: dict = {}
-        for method in VOCAB_METHODS[1:]:
+        for method in sorted({r["method"] for r in rows} - {"nonprivate_sparse_adam"}):
             for v in sorted({r["vocab"] for r in rows}):
                 base = by.get((v, "nonprivate_sparse_adam"))
                 dp = by.get((v, method))
@@ -279,8 +296,9 @@ def main() -> None:
         print(json.dumps({k: out[k] for k in out if k.startswith("dp_")}, indent=2))
         for f in out["failed"]:
             print(f"FAILED V={f['vocab']:g} {f['method']}: {f['error']} (left out of the ratios above)")
-    (OUT / "bench_step.json").write_text(json.dumps(out, indent=2))
-    print(f"wrote {OUT / 'bench_step.json'}")
+    name = "bench_step.json" if args.device == "cpu" else f"bench_step_{args.device.split(':')[0]}_b{args.batch}.json"
+    (OUT / name).write_text(json.dumps(out, indent=2))
+    print(f"wrote {OUT / name}")
 
 
 if __name__ == "__main__":
