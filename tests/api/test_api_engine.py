@@ -308,3 +308,35 @@ def test_optimizer_mapping_and_scheduler():
     eng.empty_step()
     assert eng._updater.rows[0].lr == 0.05
     copy.deepcopy(eng.state_dict())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_short_dp_run_on_cuda_learns_and_states_the_cpu_epsilon():
+    """The same run as ``test_short_dp_run_learns`` with the model and data on CUDA (issue 15)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (2000, 1), generator=g).cuda()
+    y = (ids[:, 0] < 50).long()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(100, 8, mode="mean"), nn.Linear(8, 2)).cuda()
+    eng = engine(selection={"name": "exponential", "k": 60, "epsilon": 0.1, "score_clip": 0.05})
+    model, opt, loader = eng.make_private(model, torch.optim.Adam(model.parameters(), lr=0.05),
+                                          DataLoader(list(zip(ids, y)), batch_size=100, collate_fn=collate_pairs),
+                                          epochs=3)
+    before = float(F.cross_entropy(model(ids), y))
+    for _ in range(3):
+        for x, t in loader:
+            F.cross_entropy(model(x), t, reduction="none").sum().backward()
+            opt.step()
+    with torch.no_grad():
+        after = float(F.cross_entropy(model(ids), y))
+    assert eng.steps == 60 and after < before - 0.3, (before, after)
+    cpu = engine(selection={"name": "exponential", "k": 60, "epsilon": 0.1, "score_clip": 0.05})
+    m2 = nn.Sequential(nn.EmbeddingBag(100, 8, mode="mean"), nn.Linear(8, 2))
+    m2, opt2, loader2 = cpu.make_private(m2, torch.optim.Adam(m2.parameters(), lr=0.05),
+                                         DataLoader(list(zip(ids.cpu(), y.cpu())), batch_size=100,
+                                                    collate_fn=collate_pairs), epochs=3)
+    for _ in range(3):
+        for x, t in loader2:
+            F.cross_entropy(m2(x), t, reduction="none").sum().backward()
+            opt2.step()
+    assert cpu.steps == 60 and eng.epsilon() == pytest.approx(cpu.epsilon(), rel=1e-12)
