@@ -60,6 +60,12 @@ def test_always_rows_nonfinite_huge_tiny_and_empty():
     assert_matches(g, clip1=1.0, b=12.0, always_from=30)  # rows 30..39 touched, zero where no sample had them
     g64 = PerSampleRows(v.double() * 1e-300, g.rows, g.offsets, g.num_rows)  # entries near float64's subnormals
     assert_matches(g64, clip1=1e-301, b=12.0)
+    big = v.double().nan_to_num(0.0).clamp(-1, 1)
+    big[big.abs() > 0.1] = 1e308 * big[big.abs() > 0.1].sign()  # norms overflow float64: clipped to S1 all the same
+    g_big = PerSampleRows(big, g.rows, g.offsets, g.num_rows)
+    assert_matches(g_big, clip1=1.0, b=12.0)
+    out = gpu.clip_aggregate(big, g.rows, g.offsets, num_rows=g.num_rows, clip1=1.0, batch_size=12.0)
+    assert out[1].abs().max() > 0.01 and torch.isfinite(out[1]).all()
     empty = PerSampleRows(torch.zeros(0, 6), torch.zeros(0, dtype=torch.long), torch.zeros(4, dtype=torch.long), 9)
     touched, ghat, clipped, nonfinite = gpu.clip_aggregate(empty.values, empty.rows, empty.offsets, num_rows=9,
                                                            clip1=1.0, batch_size=3.0, always_from=7)

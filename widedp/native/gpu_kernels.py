@@ -4,6 +4,7 @@ wraps them in ``triton.jit``)."""
 import triton.language as tl
 
 
+
 def clip_scatter(x_ptr, slot_ptr, off_ptr, out_ptr, clipped_ptr, nonfinite_ptr, D, CLIP1: tl.constexpr,
                  ALPHA: tl.constexpr, IS64: tl.constexpr, BLOCK: tl.constexpr):
     j = tl.program_id(0)
@@ -25,12 +26,15 @@ def clip_scatter(x_ptr, slot_ptr, off_ptr, out_ptr, clipped_ptr, nonfinite_ptr, 
         for start in range(0, n, BLOCK):
             u = tl.load(base + start + k, mask=start + k < n, other=0.0).to(tl.float64) / scale
             acc += u * u
-    norm = scale * tl.sqrt(tl.sum(acc, axis=0))
+    root = tl.sqrt(tl.sum(acc, axis=0))  # >= 1 unless the sample is zero, empty or non-finite
+    norm = scale * root  # may overflow float64 (entries near 1e308): clipped all the same
     if IS64:
         clipped = (big < float("inf")) & (norm > CLIP1)
     else:  # decided in float32, as the reference (a norm that overflows float32 counts as clipped)
         clipped = (big < float("inf")) & (norm.to(tl.float32) > tl.full([], CLIP1, tl.float32))
-    w = tl.where(bad, 0.0, tl.where(clipped, CLIP1 / tl.where(clipped, norm, 1.0), 1.0)) * ALPHA
+    # a clipped sample adds (x / scale) * (S1 / root) / b: neither factor overflows where S1 / norm might underflow
+    pre = tl.where(clipped, 1.0 / scale, 1.0)
+    w = tl.where(bad, 0.0, tl.where(clipped, CLIP1 / tl.where(clipped, root, 1.0), 1.0)) * ALPHA
     tl.store(clipped_ptr + j, clipped)
     tl.store(nonfinite_ptr + j, bad)
     if w != 0.0:
@@ -39,7 +43,8 @@ def clip_scatter(x_ptr, slot_ptr, off_ptr, out_ptr, clipped_ptr, nonfinite_ptr, 
             m = e < n
             x = tl.load(base + e, mask=m, other=0.0)
             s = tl.load(slot_ptr + lo + e // D, mask=m, other=0)
-            tl.atomic_add(out_ptr + s * D + e % D, (x.to(tl.float64) * w).to(x.dtype), mask=m)
+            tl.atomic_add(out_ptr + s * D + e % D, (x.to(tl.float64) * pre * w).to(x.dtype), mask=m)
+
 
 def lazy_adam(w_ptr, mom_ptr, cnt_ptr, rows_ptr, g_ptr, coef_ptr, first, count, D, L, LR: tl.constexpr,
               B1: tl.constexpr, B2: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
