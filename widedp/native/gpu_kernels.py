@@ -4,7 +4,6 @@ wraps them in ``triton.jit``)."""
 import triton.language as tl
 
 
-
 def clip_scatter(x_ptr, slot_ptr, off_ptr, out_ptr, clipped_ptr, nonfinite_ptr, D, CLIP1: tl.constexpr,
                  ALPHA: tl.constexpr, IS64: tl.constexpr, BLOCK: tl.constexpr):
     j = tl.program_id(0)
