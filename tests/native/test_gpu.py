@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_native import jagged, reference
 
-from tests.native.test_native import jagged, reference
 from widedp.config import ExponentialSelectionConfig, GaussianThresholdSelectionConfig
 from widedp.dp.clipping import aggregate, clip_per_sample
 from widedp.dp.optim import LazyAdam

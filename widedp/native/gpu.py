@@ -116,7 +116,7 @@ def lazy_adam_(weights: list[Tensor], moments: list[Tensor], steps: list[Tensor]
     k, d = grad.shape
     if not k:
         return True
-    grad = grad.contiguous()
+    grad, rows = grad.contiguous(), rows.contiguous()
     for t, (w, mom, cnt, first) in enumerate(zip(weights, moments, steps, bounds)):
         if not _launch("lazy_adam", (k,), w, mom, cnt, rows, grad, coef, first, w.shape[0], d, coef.shape[0],
                        strict=strict or t > 0, LR=float(lr), B1=float(betas[0]), B2=float(betas[1]),
