@@ -42,7 +42,8 @@ prepare)
 tests)
   install
   "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/native/test_gpu.py tests/native/test_native.py \
-    tests/dp/test_step_cuda.py tests/dp/test_optim.py tests/dp/test_syncs.py tests/models/test_cbow.py -k "not recsys" \
+    tests/dp/test_step_cuda.py tests/dp/test_optim.py tests/dp/test_syncs.py tests/models/test_cbow.py \
+    "tests/api/test_api_engine.py::test_short_dp_run_on_cuda_learns_and_states_the_cpu_epsilon" -k "not recsys" \
     2>&1 | tee "$OUT/tests.log"
   ;;
 bench)

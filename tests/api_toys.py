@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchrec import (
-    EmbeddingBagCollection,
-    EmbeddingBagConfig,
-    EmbeddingCollection,
-    EmbeddingConfig,
-    KeyedJaggedTensor,
-    PoolingType,
-)
+
+# a GPU image without torchrec (scripts/gpu_check.sh): the nn.Embedding* toys still work
+with contextlib.suppress(ImportError):
+    from torchrec import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        EmbeddingCollection,
+        EmbeddingConfig,
+        KeyedJaggedTensor,
+        PoolingType,
+    )
 
 # ----------------------------------------------------------------------------------------------------- torchrec
 
@@ -25,8 +29,9 @@ FEATURES = {"user": 7, "item": 9, "tags": 5}
 class TorchrecMLP(nn.Module):
     """EBC (user dim 4, item dim 3, tags dim 4: a narrower table) + a 2-layer MLP -> one logit per sample."""
 
-    def __init__(self, pooling: PoolingType = PoolingType.MEAN, weighted: bool = False) -> None:
+    def __init__(self, pooling: PoolingType | None = None, weighted: bool = False) -> None:
         super().__init__()
+        pooling = PoolingType.MEAN if pooling is None else pooling
         dims = {"user": 4, "item": 3, "tags": 4}
         self.ebc = EmbeddingBagCollection(tables=[
             EmbeddingBagConfig(name=f"t_{f}", embedding_dim=dims[f], num_embeddings=n, feature_names=[f],
