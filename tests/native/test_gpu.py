@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_native import jagged, reference
+from test_native import jagged, lazy_adam_pair, reference
 
 from widedp.config import ExponentialSelectionConfig, GaussianThresholdSelectionConfig
 from widedp.dp.clipping import aggregate, clip_per_sample
@@ -75,31 +75,16 @@ def test_always_rows_nonfinite_huge_tiny_and_empty():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_lazy_adam_equals_reference(dtype, monkeypatch):
-    gen = torch.Generator().manual_seed(11)
-    tables = [(0, torch.randn(30, 16, generator=gen, dtype=dtype)), (30, torch.randn(40, 16, generator=gen,
-                                                                                     dtype=dtype))]
-    copy = [(off, w.clone()) for off, w in tables]
-    before = torch.cat([w for _, w in tables])
-    ref = LazyAdam(tables, lr=0.01, betas=(0.9, 0.999), eps=1e-8, fused=False)
     monkeypatch.setattr(gpu, "use", lambda fused, *t: fused is not False)  # CPU tensors through the Triton path
-    triton_opt = LazyAdam(copy, lr=0.01, betas=(0.9, 0.999), eps=1e-8)
+    ref, triton_opt, tables, copy, before, untouched = lazy_adam_pair(
+        dtype, lambda t: LazyAdam(t, lr=0.01, betas=(0.9, 0.999), eps=1e-8), steps=12)
     assert triton_opt.gpu and not triton_opt.fused and not ref.gpu
-    given = set()
-    for _ in range(12):
-        rows = torch.randperm(75, generator=gen)[:12]  # ids 70..74 lie outside every table: ignored
-        rows = rows[(rows < 60) | (rows >= 70)]  # 60..69 never given
-        scale = 10.0 ** torch.randint(-4, 2, (rows.numel(), 1), generator=gen)
-        grad = SparseRows(rows, torch.randn(rows.numel(), 16, generator=gen, dtype=dtype) * scale, 75)
-        ref.step(grad)
-        triton_opt.step(grad)
-        given.update(r for r in rows.tolist() if r < 70)
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
     for (name, a), (name2, b) in zip(ref.state_dict().items(), triton_opt.state_dict().items()):
-        assert name == name2
-        tol = 1e-6 if dtype == torch.float32 else 1e-12  # m's lerp cancels: error relative to the moments' scale
-        torch.testing.assert_close(b, a, rtol=tol, atol=tol * float(a.abs().max()))  # step counts: equal
+        assert name == name2  # m's lerp cancels: error relative to the moments' scale; step counts: equal
+        torch.testing.assert_close(b, a, rtol=tol, atol=tol * float(a.abs().max()))
     for (_, w), (_, w2) in zip(tables, copy):
-        torch.testing.assert_close(w2, w, rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=0)
-    untouched = sorted(set(range(70)) - given)
+        torch.testing.assert_close(w2, w, rtol=tol, atol=0)
     assert untouched and torch.equal(torch.cat([w for _, w in copy])[untouched], before[untouched])
 
 

@@ -146,31 +146,41 @@ def test_bad_inputs_raise():
 # ----------------------------------------------------------------------------------------------------- lazy Adam
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.3, 0.6), (0.9, 1 - 1e-8)])  # bias table; lerp's other branch;
-def test_lazy_adam_fused_equals_reference(dtype, betas):  # pow fallback (table too long)
+def lazy_adam_pair(dtype, make, *, betas=(0.9, 0.999), steps: int = 25):
+    """The reference ``LazyAdam`` and ``make(tables)`` (another implementation) driven with the same sparse
+    gradients on two tables (ids 70..74 lie outside every table: ignored; 60..69 are never given).
+
+    Returns:
+        (ref, other, ref tables, other tables, weights before [70, 16], ids never updated).
+    """
     gen = torch.Generator().manual_seed(11)
     tables = [(0, torch.randn(30, 16, generator=gen, dtype=dtype)), (30, torch.randn(40, 16, generator=gen,
                                                                                      dtype=dtype))]
     copy = [(off, w.clone()) for off, w in tables]
     before = torch.cat([w for _, w in tables])
-    ref = LazyAdam(tables, lr=0.01, betas=betas, eps=1e-8, fused=False)
-    fused = LazyAdam(copy, lr=0.01, betas=betas, eps=1e-8, fused=True)
-    assert fused.fused and not ref.fused and (ref._table is None) == (betas[1] == 1 - 1e-8)
+    ref, other = LazyAdam(tables, lr=0.01, betas=betas, eps=1e-8, fused=False), make(copy)
     given = set()
-    for _ in range(25):
-        rows = torch.randperm(75, generator=gen)[:12]  # ids 70..74 lie outside every table: ignored
-        rows = rows[(rows < 60) | (rows >= 70)]  # 60..69 never given
+    for _ in range(steps):
+        rows = torch.randperm(75, generator=gen)[:12]
+        rows = rows[(rows < 60) | (rows >= 70)]
         scale = 10.0 ** torch.randint(-4, 2, (rows.numel(), 1), generator=gen)
         grad = SparseRows(rows, torch.randn(rows.numel(), 16, generator=gen, dtype=dtype) * scale, 75)
         ref.step(grad)
-        fused.step(grad)
+        other.step(grad)
         given.update(r for r in rows.tolist() if r < 70)
+    return ref, other, tables, copy, before, sorted(set(range(70)) - given)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.3, 0.6), (0.9, 1 - 1e-8)])  # bias table; lerp's other branch;
+def test_lazy_adam_fused_equals_reference(dtype, betas):  # pow fallback (table too long)
+    ref, fused, tables, copy, before, untouched = lazy_adam_pair(
+        dtype, lambda t: LazyAdam(t, lr=0.01, betas=betas, eps=1e-8, fused=True), betas=betas)
+    assert fused.fused and not ref.fused and (ref._table is None) == (betas[1] == 1 - 1e-8)
     for a, b in zip(ref.state_dict().items(), fused.state_dict().items()):
         assert a[0] == b[0] and torch.equal(a[1], b[1])  # moments and per-row step counts bit for bit
     for (_, w), (_, w2) in zip(tables, copy):
         torch.testing.assert_close(w2, w, rtol=1e-6 if dtype == torch.float32 else 1e-13, atol=0)
-    untouched = sorted(set(range(70)) - given)
     assert untouched and torch.equal(torch.cat([w for _, w in copy])[untouched], before[untouched])
 
 
