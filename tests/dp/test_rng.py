@@ -125,6 +125,50 @@ def test_resume_without_private_keeps_journaled_spend(tmp_path, monkeypatch):
     assert accounting.Ledger.from_json(resumed["dp"]["ledger"]).steps == 75 + 140
 
 
+def test_resume_with_seeds_but_lost_generator_states_draws_fresh_randomness(tmp_path, monkeypatch):
+    """private/seeds.json kept, rng-STEP.pt lost: restarting the generators from the seeds would redraw step 0's
+    noise (and the lost steps' batches) at step 60; the run must take fresh seeds instead, and the lost steps stay
+    spent (audit, session 21)."""
+    import widedp.dp.step as step_mod
+
+    noise: list[torch.Tensor] = []
+    orig = step_mod.gaussian_noise
+    monkeypatch.setattr(step_mod, "gaussian_noise", lambda *a, **k: noise.append(z := orig(*a, **k)) or z)
+    cfg, run, snap, _ = _run_with_snapshot(tmp_path, monkeypatch)
+    first = [z.clone() for z in noise[:3]]
+    old = rng.load_seeds(snap)
+    for p in (snap / rng.PRIVATE_DIR).glob("rng-*.pt"):
+        p.unlink()
+    noise.clear()
+    resumed = train(cfg, snap, resume=True, progress=False)
+    new = rng.load_seeds(snap)
+    assert new.mode == "secure" and new.sampling != old.sampling and new.noise != old.noise
+    for a, b in zip(first, noise[:3]):  # steps 0, 1, 2 of the first run vs steps 60, 61, 62 of the resumed one
+        assert a.shape != b.shape or not torch.equal(a, b)
+    assert accounting.Ledger.from_json(resumed["dp"]["ledger"]).steps == 75 + 140
+
+
+def test_every_bit_of_a_seed_matters():
+    """torch's CPU generator keeps only the low 32 bits of manual_seed: 2^32 guesses would rebuild a secret stream.
+    rng.generator fills its whole state from the 62-bit seed (audit, session 21)."""
+    s = (1 << 61) + 12345
+    twin = s + (1 << 40)  # the same low 32 bits
+    plain = [torch.randn(4, generator=torch.Generator().manual_seed(x)) for x in (s, twin)]
+    assert torch.equal(*plain)  # why rng.generator exists
+    a, b, again = (torch.randn(4, generator=rng.generator(x)) for x in (s, twin, s))
+    assert not torch.equal(a, b) and torch.equal(a, again)
+    from widedp.dp.sampling import PoissonSampler  # every generator that protects data is seeded this way
+
+    batches = [PoissonSampler(1000, sampling_rate=0.05, seed=x).batch(0) for x in (s, twin)]
+    assert not torch.equal(*batches)
+
+
+def test_a_changed_cpu_generator_layout_is_refused(monkeypatch):
+    monkeypatch.setattr(rng, "_MT_STATE_BYTES", 5000)
+    with pytest.raises(RuntimeError, match="cannot seed it with all"):
+        rng.generator(7)
+
+
 def test_secure_rng_key_is_an_error(tmp_path):
     cfg = _config(tmp_path)
     text = cfg.read_text().replace("  selection:", "  secure_rng: true\n  selection:")

@@ -226,6 +226,31 @@ def test_kill_9_of_one_rank_then_resume_matches_uninterrupted_run(tmp_path, caps
             assert all(torch.equal(sa[part][k], sb[part][k]) for k in sa[part]), (r, part)
 
 
+def test_resume_without_generator_states_takes_fresh_seeds_on_every_rank(tmp_path):
+    """rng-STEP-rankR.pt lost (seeds.json kept): every rank continues from rank 0's fresh seeds, not from the old
+    ones (which would redraw step 0's noise and the lost steps' batches), and the lost steps stay spent."""
+    cfg = _cbow(tmp_path, epochs=3, ckpt_every=25, rng_mode="secure")
+    crashed = tmp_path / "crashed"
+    proc = _nproc(str(cfg), "--out", str(crashed))
+    deadline = time.time() + 120
+    while not (crashed / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    victim = _rank_pid(proc.pid, 1)
+    assert proc.poll() is None and victim is not None, "the run finished before it could be killed: make it longer"
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=120) != 0
+    killed_at = torch.load(crashed / "checkpoint.pt", weights_only=True)["step"]
+    journal, old = _journal_steps(crashed), rng.load_seeds(crashed)
+    for p in (crashed / rng.PRIVATE_DIR).glob("rng-*.pt"):
+        p.unlink()
+    _finish(_nproc("--resume", str(crashed)))
+    new = rng.load_seeds(crashed)
+    assert new.sampling != old.sampling and new.noise != old.noise and new.mode == "secure"
+    assert _summary(crashed)["steps"] == 300
+    assert _journal_steps(crashed) == journal + 300 - killed_at  # the lost steps [killed_at, journal) stay spent
+
+
 def _cfg(**over) -> object:
     base = {"train": {"optimizer": "sgd"}, "dp": {"clip1": 1.0, "noise_multiplier": 1.0, "selection": {"name": "all"}}}
     for key, value in over.items():

@@ -24,7 +24,10 @@ def test_pool_depends_on_seed_and_step_only():
     _, p2 = pool.draw(t2, 4, seed=9, step=3)  # another batch, same step: the same public rows
     n1, p3 = pool.draw(t1, 4, seed=9, step=4)
     n2, _ = pool.draw(t1, 4, seed=9, step=4)
-    assert torch.equal(p1, p2) and not torch.equal(p1, p3)
+    assert torch.equal(p1, p2)
+    small = NegativePool.of(PROBS.double().numpy(), 6, row_offset=V, device="cpu")  # 6 of 12 words: sets differ
+    assert len({tuple(small.draw(t1, 4, seed=9, step=s)[1].tolist()) for s in range(6)}) > 1
+    assert not torch.equal(pool.draw(t1, 4, seed=9, step=3)[0], n1)  # step 3's negatives differ from step 4's
     assert torch.equal(n1, n2)  # a resumed run redraws a lost step's negatives exactly
     assert p1.min() >= V and torch.equal(p1, p1.unique())  # output rows of an untied model, sorted
 

@@ -209,8 +209,7 @@ class PrivacyEngine:
     def _start_randomness(self, seeds: rng.RunSeeds) -> None:
         self._seeds = seeds
         self._sampler = PoissonSampler(self.n, sampling_rate=self.sampling_rate, seed=seeds.sampling)
-        self._noise = torch.Generator(device=self._device)
-        self._noise.manual_seed(seeds.noise)
+        self._noise = rng.generator(seeds.noise, self._device)
 
     @property
     def noise_multiplier(self) -> float:

@@ -12,6 +12,11 @@ regenerate them can subtract the noise and read every step's clipped gradient. S
 What resume needs to replay the lost steps exactly (the seeds and the generators' states at the checkpoint's step)
 lives in ``RUN/private/`` too; ``RUN/private/`` must never be shared.
 
+Every generator that protects data is seeded through ``generator`` / ``seed_generator``: torch's CPU generator
+(MT19937) keeps only the low 32 bits of ``manual_seed``, so 2^32 guesses would rebuild a stream from what it
+produced (e.g. the noise of selected rows no sample touched); ``seed_generator`` fills its whole 19,968-bit state
+from SHAKE-256 of the 62-bit seed instead. CUDA's Philox keeps all 64 bits of its seed.
+
 Honest fine print: the generators are torch's (Mersenne Twister on CPU, Philox on CUDA) seeded with 62 secret bits;
 they are not a CSPRNG stream, and floating-point attacks on Gaussian sampling (Mironov 2012) are out of scope.
 """
@@ -27,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 
 from widedp.errors import ConfigError
@@ -63,11 +69,55 @@ def new_seeds(*, mode: RngMode, seed: int) -> RunSeeds:
     raise ConfigError(f"dp.rng: expected secure or reproducible, got {mode!r}")
 
 
+#: torch's CPU generator state (``Generator.get_state()``, ATen's CPUGeneratorImplState): uint64 seed, int32 left,
+#: int32 seeded, uint64 next, then the 624 MT19937 words (each in a uint64 slot), the normal caches.
+_MT_STATE_BYTES, _MT_WORDS_AT, _MT_N = 5056, 24, 624
+
+
+def seed_generator(gen: torch.Generator, seed: int) -> torch.Generator:
+    """Seed ``gen`` with ``seed`` (>= 0, < 2^64) so that every bit of it matters (module docstring); returns ``gen``.
+
+    CPU: ``manual_seed(seed)``, then the 624 state words replaced by SHAKE-256("widedp-mt19937:" + seed) (the next
+    draw twists the whole state, as after a plain seeding). CUDA: ``manual_seed(seed)`` (Philox keeps 64 bits).
+
+    Raises:
+        RuntimeError: torch's CPU generator state is not the layout this relies on (a torch upgrade): refuse
+            rather than run with 32 secret bits.
+    """
+    gen.manual_seed(seed)
+    if gen.device.type != "cpu":
+        return gen
+    state = gen.get_state()
+    if state.numel() != _MT_STATE_BYTES:
+        raise RuntimeError(f"widedp.dp.rng: torch's CPU generator state has {state.numel()} bytes, expected "
+                           f"{_MT_STATE_BYTES}; widedp cannot seed it with all {seed.bit_length()} secret bits")
+    words = np.frombuffer(hashlib.shake_256(f"widedp-mt19937:{seed}".encode()).digest(4 * _MT_N), dtype="<u4")
+    raw = state.numpy().copy()
+    raw[_MT_WORDS_AT:_MT_WORDS_AT + 8 * _MT_N] = words.astype("<u8").view(np.uint8)
+    gen.set_state(torch.from_numpy(raw))
+    return gen
+
+
+def generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A new ``torch.Generator`` on ``device`` seeded by ``seed_generator``."""
+    return seed_generator(torch.Generator(device=device), seed)
+
+
 def derived_seed(noise_seed: int, purpose: str) -> int:
     """A 62-bit seed for a stream of its own (``purpose``: e.g. the DP vocabulary's, the row pre-selection's), derived
-    from the run's (secret) noise seed by SHA-256: as secret as that seed, independent of the training noise."""
+    from one of the run's secret seeds by SHA-256: as secret as that seed, independent of its stream."""
     digest = hashlib.sha256(f"{purpose}:{noise_seed}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 2
+
+
+def fresh_seeds(seeds: RunSeeds, step: int) -> RunSeeds:
+    """New seeds for a run resumed at ``step`` whose generator states are lost (``secure``: from the OS CSPRNG;
+    ``reproducible``: derived from the old ones and ``step``). Restarting the generators from the old seeds would
+    draw step 0's noise and the lost steps' batches again."""
+    if seeds.mode == "secure":
+        return new_seeds(mode="secure", seed=0)
+    return RunSeeds(sampling=derived_seed(seeds.sampling, f"resume:{step}"),
+                    noise=derived_seed(seeds.noise, f"resume:{step}"), mode=seeds.mode)
 
 
 def private_dir(run_dir: Path) -> Path:

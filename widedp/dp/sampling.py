@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from widedp.dp import rng
 from widedp.dp.selection.base import member
 
 _CHUNK = 1024  # Poisson steps drawn together (one generator seeding per chunk)
@@ -17,9 +18,7 @@ _BLOCK = 2**16  # draws deduplicated together
 
 
 def _gen(seed: int, salt: int, device: torch.device) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed((seed * 1_000_003 + salt * 7919 + 0x5EED) % (2**63 - 1))
-    return g
+    return rng.generator(rng.derived_seed(seed, f"poisson:{salt}"))  # every bit of the secret seed matters
 
 
 class PoissonSampler:

@@ -161,7 +161,7 @@ def run_release(data_cfg: Any, run_dir: Path, *, noise_seed: int) -> VocabReleas
     if found is not None:
         _check_matches(found, data_cfg, run_dir)
         return found
-    gen = torch.Generator().manual_seed(vocab_seed(noise_seed))
+    gen = rng.generator(vocab_seed(noise_seed))
     release = draw_release(data_cfg, generator=gen)
     write_json(run_dir / RELEASE_FILE, release.to_json())
     return release

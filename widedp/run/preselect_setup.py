@@ -110,7 +110,7 @@ def setup(cfg: Config, out: Path, *, model: Any, split: Any, grouped: units.Unit
         raise ConfigError(f"{path}: missing, so the run's pre-selected rows are lost (a new draw would be a second "
                           "release); start a new run directory")
     ids, counts, num_rows, always = train_contributions(model, split, grouped=grouped)
-    gen = torch.Generator(device=ids.device).manual_seed(preselect_seed(noise_seed))
+    gen = rng.generator(preselect_seed(noise_seed), ids.device)
     starts = [int(off) for off, _ in model.row_tables()] if dp.preselect.table_rows else [0]
     kept = preselect_rows(ids, counts, dp.preselect, num_rows=num_rows - always, generator=gen, table_starts=starts)
     record = {"format": _FORMAT, **want, "num_rows": num_rows, "always_rows": always, "kept": kept.tolist()}

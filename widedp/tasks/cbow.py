@@ -19,9 +19,8 @@ from widedp.config import Config
 from widedp.data_prep import corpus as corpus_mod
 from widedp.data_prep.cbow import CBOWData, Split, prepare_cbow
 from widedp.data_prep.samples import alias_table
-from widedp.dp import units
+from widedp.dp import rng, units
 from widedp.dp import vocab as vocab_dp
-from widedp.dp.rng import derived_seed
 from widedp.errors import ConfigError
 from widedp.models.cbow import CBOW, CBOWBatch
 from widedp.tasks.base import LoopTask
@@ -56,7 +55,7 @@ class NegativePool:
         the next pool entry while equal to its target (``MOVES``); [P] the pool's distinct global output rows,
         sorted)."""
         dev = self.keep.device
-        gen = torch.Generator(device=dev).manual_seed(derived_seed(seed, f"negatives-pool:{step}"))
+        gen = rng.generator(rng.derived_seed(seed, f"negatives-pool:{step}"), dev)
         i = torch.randint(self.keep.numel(), (self.size,), generator=gen, device=dev)
         u = torch.rand(self.size, generator=gen, device=dev, dtype=torch.float64)
         pool = torch.where(u < self.keep.index_select(0, i), i, self.alias.index_select(0, i))

@@ -165,7 +165,7 @@ def train_glm(cfg: Config, out: Path, *, resume: bool = False, progress: bool = 
             raise ConfigError(f"{out}: cannot resume: the earlier attempt's seeds ({out / rng.PRIVATE_DIR}) are "
                               "gone, and a fresh attempt would compose with what it already wrote; train into a new "
                               "directory")
-        gen = torch.Generator().manual_seed(seeds.noise)
+        gen = rng.generator(seeds.noise)
         private_rng = seeds.private
     else:
         gen, private_rng = torch.Generator().manual_seed(cfg.train.seed), True  # no randomness is used

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from widedp.dp import rng
 from widedp.dp.selection.base import ScoreKind, SelectionContext, sample_distinct
 from widedp.dp.spend import FreeSpend, Spend
 
@@ -57,7 +58,7 @@ class RandomSparsificationSelector:
         if self._epoch != ctx.epoch or mask is None or mask.device != touched.device:
             # the epoch's mask comes from its own stream (seeded by the step generator's seed and the epoch), so a
             # run resumed mid-epoch redraws the same mask and leaves the step generator's draws untouched
-            epoch_gen = torch.Generator().manual_seed((generator.initial_seed() * 1_000_003 + ctx.epoch) % 2**63)
+            epoch_gen = rng.generator(rng.derived_seed(generator.initial_seed(), f"random-sparsification:{ctx.epoch}"))
             kept = max(1, round((1.0 - self.rate(ctx)) * selectable_rows))
             mask = torch.randperm(selectable_rows, generator=epoch_gen)[:kept].sort().values.to(touched.device)
             self._epoch, self._mask = ctx.epoch, mask

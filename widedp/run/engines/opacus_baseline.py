@@ -141,8 +141,7 @@ class OpacusEngine(PrivateEngine):
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(self.module.parameters(), lr=tc.lr)
         else:
             self.optimizer = torch.optim.Adam(self.module.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.eps)
-        self.sample_gen = torch.Generator()
-        self.sample_gen.manual_seed(self.seeds.sampling)
+        self.sample_gen = rng.generator(self.seeds.sampling)
         self.engine = PrivacyEngine(accountant="rdp")
         self._gsm, self._dp_opt, _ = self.engine.make_private(
             module=self.module, optimizer=self.optimizer,
@@ -201,12 +200,18 @@ class OpacusEngine(PrivateEngine):
         return {"optimizer": self.optimizer.state_dict(), "ledger": self.ledger.to_json(),
                 "opacus_history": [[float(s), float(r), int(k)] for s, r, k in self.engine.accountant.history]}
 
+    def _reseed(self) -> None:
+        super()._reseed()
+        rng.seed_generator(self.sample_gen, self.seeds.sampling)
+
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(ckpt["optimizer"])
         states = rng.load_states(self.out, ckpt["step"])
         if states is not None:
             self.noise_gen.set_state(states["noise"])
             self.sample_gen.set_state(states["sampling"])
+        else:  # never restart the generators from the seeds: that redraws step 0's batch and noise
+            self._restart_randomness(ckpt["step"])
         history = [(float(s), float(r), int(k)) for s, r, k in ckpt["opacus_history"]]
         checkpointed = accounting.Ledger.from_json(ckpt["ledger"])
         self.ledger = self._resumed_ledger(ckpt, replayable=False)

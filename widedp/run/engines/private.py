@@ -52,8 +52,7 @@ class PrivateEngine:
         self.n_draw, self.sampling_rate = n, self.cfg.train.batch_size / n
         self.per_epoch = budget.steps_per_epoch(self.cfg.train.batch_size, n)
         self.total = budget.total_steps(self.cfg, n)
-        self.noise_gen = torch.Generator(device=self.device)
-        self.noise_gen.manual_seed(self.seeds.noise)
+        self.noise_gen = rng.generator(self.seeds.noise, self.device)
 
     def start(self) -> dict[str, Any]:
         if self.rb.prefix:
@@ -82,6 +81,24 @@ class PrivateEngine:
         the journal stays (a second crash, then a resume without ``private/``, must still count those steps)."""
         if self.is_writer and ledger.steps >= self._journal_floor:
             budget.write_journal(self.out, ledger)
+
+    def _restart_randomness(self, step: int) -> None:
+        """The generators' states at checkpoint ``step`` are lost (``RUN/private/rng-STEP.pt`` deleted or unreadable)
+        though the seeds remain: continue from fresh seeds (``rng.fresh_seeds``), never from the old ones, which
+        would redraw step 0's noise and the lost steps' batches. The lost steps stay spent (``_resumed_ledger`` with
+        ``replayable=False``)."""
+        self.seeds = self._fresh_seeds(step)
+        if self.is_writer:
+            rng.save_seeds(self.out, self.seeds)
+        self.replayable = False
+        self._reseed()
+
+    def _fresh_seeds(self, step: int) -> rng.RunSeeds:
+        return rng.fresh_seeds(self.seeds, step)
+
+    def _reseed(self) -> None:
+        """Seed the engine's generators (in place) and samplers from ``self.seeds``."""
+        rng.seed_generator(self.noise_gen, self.seeds.noise)
 
     def _resumed_ledger(self, ckpt: dict[str, Any], *, replayable: bool) -> accounting.Ledger:
         """The checkpoint's ledger, or the journal's when the lost steps cannot be replayed (they stay spent)."""

@@ -89,9 +89,22 @@ class ShardedDPEngine(SparseDPEngine):
         self.sharded = task.shard(built.model, self.rank, self.world)
         super().setup(built, task)
         self._stats = torch.zeros(2, device=self.device)  # rows selected, non-finite samples
-        self.noise_gen.manual_seed(ranks.derive_seed(self.seeds.noise, f"rank{self.rank}"))  # this rank's own
-        self.shared_gen = torch.Generator(device=self.device)  # the same on every rank
-        self.shared_gen.manual_seed(ranks.derive_seed(self.seeds.noise, "shared"))
+        self.shared_gen = torch.Generator(device=self.device)
+        self._reseed()
+
+    def _reseed(self) -> None:
+        super()._reseed()
+        rng.seed_generator(self.noise_gen, ranks.derive_seed(self.seeds.noise, f"rank{self.rank}"))  # this rank's
+        rng.seed_generator(self.shared_gen, ranks.derive_seed(self.seeds.noise, "shared"))  # the same on every rank
+
+    def _fresh_seeds(self, step: int) -> rng.RunSeeds:
+        """Rank 0's fresh seeds, broadcast (every rank samples the same batches)."""
+        mine = None
+        if self.rank == 0:
+            s = super()._fresh_seeds(step)
+            mine = [s.sampling, s.noise, _MODES.index(s.mode), 0]
+        sampling, noise, mode, _ = ranks.broadcast_ints(mine, count=4, device=self.device)
+        return rng.RunSeeds(sampling=sampling, noise=noise, mode=_MODES[mode])
 
     def _row_optimizer(self, task: Task) -> Any:
         tc = self.cfg.train
@@ -140,6 +153,8 @@ class ShardedDPEngine(SparseDPEngine):
         if replay.item():
             self.noise_gen.set_state(states["noise"])
             self.shared_gen.set_state(states["shared"])
+        elif self.replayable:
+            self._restart_randomness(step)
         self.ledger = self._resumed_ledger(ckpt, replayable=bool(replay.item()))
         dist.barrier()  # every rank has read the journal before rank 0 writes it again
 

@@ -58,11 +58,7 @@ class SparseDPEngine(PrivateEngine):
         self.selector = preselect_setup.restrict_selector(
             make_selector(self.dp.selection, num_rows=self.module.num_rows), self.pre)
         self.optimizer = self._row_optimizer(task)
-        b, seed = cfg.train.batch_size, self.seeds.sampling
-        self._sampler: Any = (PoissonSampler(n, sampling_rate=b / n, seed=seed, device=self.device)
-                              if self.grouped is None else
-                              units.UnitPoissonSampler(self.grouped, sampling_rate=b / n_dp, seed=seed,
-                                                       device=self.device))
+        self._sampler = self._make_sampler()
         self._stats = torch.zeros(5, device=self.device)
         if self.grouped is not None or built.notes:
             self.unit_info = {"privacy_unit": units.privacy_unit(cfg), "n_units": n_dp}
@@ -70,6 +66,18 @@ class SparseDPEngine(PrivateEngine):
                 self.unit_info.update({"max_samples_per_unit": self.grouped.cap,
                                        "samples_dropped_by_cap": self.grouped.dropped})
             self.unit_info.update(built.notes)
+
+    def _make_sampler(self) -> Any:
+        """The Poisson sampler of examples (or of units) seeded by ``self.seeds.sampling``."""
+        b, seed, n = self.cfg.train.batch_size, self.seeds.sampling, len(self._split)
+        if self.grouped is None:
+            return PoissonSampler(n, sampling_rate=b / n, seed=seed, device=self.device)
+        return units.UnitPoissonSampler(self.grouped, sampling_rate=b / self.grouped.num_units, seed=seed,
+                                        device=self.device)
+
+    def _reseed(self) -> None:
+        super()._reseed()
+        self._sampler = self._make_sampler()
 
     def _row_optimizer(self, task: Task) -> Any:
         return task.row_optimizer(self.cfg, self.module)
@@ -125,6 +133,8 @@ class SparseDPEngine(PrivateEngine):
         states = rng.load_states(self.out, ckpt["step"]) if self.replayable else None
         if states is not None:
             self.noise_gen.set_state(states["noise"])
+        elif self.replayable:
+            self._restart_randomness(ckpt["step"])
         self.ledger = self._resumed_ledger(ckpt, replayable=states is not None)
 
     def save_private(self, step: int) -> None:
