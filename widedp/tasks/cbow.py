@@ -28,6 +28,12 @@ from widedp.tasks.protocol import Built, OpacusParts, Shape
 
 VOCAB_NOT_COVERED = ("vocabulary not private: the vocabulary (the top-V words of the training corpus by count, ties "
                      "at the cut included) and the negative-sampling distribution (their counts)")
+#: The corpus -> training split step is positional (data_prep.cbow: a permutation of all samples and the stored
+#: negatives in split order, both from data.seed in config.yaml): a pair added to or removed from the corpus moves
+#: other pairs between splits and changes their negatives. The guarantee is for the prepared training split.
+SPLIT_NOT_COVERED = ("the corpus -> training split: which pairs are trained on and each pair's stored negatives are "
+                     "drawn by position with the public data.seed; ε is for one unit of that prepared split, not for "
+                     "adding/removing one in the corpus")
 
 
 @dataclass(frozen=True)
@@ -201,7 +207,7 @@ class CBOWTask(LoopTask):
         else:
             unit = units.unit_name(cfg, "pairs" if cfg.data.sample_shape == "pair" else "samples")
         vocabulary = cfg.data.vocabulary
-        gaps = (VOCAB_NOT_COVERED,) if vocabulary == "private_top" else ()
+        gaps = ((VOCAB_NOT_COVERED,) if vocabulary == "private_top" else ()) + (SPLIT_NOT_COVERED,)
         includes: tuple[str, ...] = ()
         if vocabulary == "dp" and cfg.dp is not None:
             v = cfg.data.vocab_dp

@@ -35,6 +35,8 @@ from widedp.tasks.base import LoopTask
 from widedp.tasks.protocol import Built
 
 IDS_NOT_COVERED = "the embedding-table sizes and id -> row numbering (computed from the data's distinct ids)"
+SPLIT_NOT_COVERED = ("the dataset -> training split: a permutation of all interactions by position with the public "
+                     "data.seed; ε is for one unit of that prepared split, not for adding/removing one in the dataset")
 
 
 def build_model(cardinality: dict[str, int], cfg: RecsysModelConfig, *, seed: int,
@@ -90,7 +92,7 @@ class RecsysTask(LoopTask):
     def privacy(self, cfg: Config) -> UnitFacts:
         unit = ("interaction (one user-item example)" if units.is_per_sample(cfg)
                 else units.unit_name(cfg, "interactions"))
-        return UnitFacts(unit, () if cfg.data.source == "synthetic" else (IDS_NOT_COVERED,))
+        return UnitFacts(unit, (() if cfg.data.source == "synthetic" else (IDS_NOT_COVERED,)) + (SPLIT_NOT_COVERED,))
 
     def shard(self, model: RecsysModel, rank: int, world: int) -> Any:
         """``ShardedRecsys``: rank ``rank`` of ``world``'s row block of every table, the MLP rows replicated."""
