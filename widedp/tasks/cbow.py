@@ -34,6 +34,10 @@ VOCAB_NOT_COVERED = ("vocabulary not private: the vocabulary (the top-V words of
 SPLIT_NOT_COVERED = ("the corpus -> training split: which pairs are trained on and each pair's stored negatives are "
                      "drawn by position with the public data.seed; ε is for one unit of that prepared split, not for "
                      "adding/removing one in the corpus")
+#: With data.negatives_pool the negatives come from the secret per-step stream: only the split is positional.
+SPLIT_NOT_COVERED_POOL = ("the corpus -> training split: which pairs are trained on is drawn by position with the "
+                          "public data.seed; ε is for one unit of that prepared split, not for adding/removing one in "
+                          "the corpus")
 
 
 @dataclass(frozen=True)
@@ -207,7 +211,8 @@ class CBOWTask(LoopTask):
         else:
             unit = units.unit_name(cfg, "pairs" if cfg.data.sample_shape == "pair" else "samples")
         vocabulary = cfg.data.vocabulary
-        gaps = ((VOCAB_NOT_COVERED,) if vocabulary == "private_top" else ()) + (SPLIT_NOT_COVERED,)
+        split = SPLIT_NOT_COVERED_POOL if cfg.data.negatives_pool else SPLIT_NOT_COVERED
+        gaps = ((VOCAB_NOT_COVERED,) if vocabulary == "private_top" else ()) + (split,)
         includes: tuple[str, ...] = ()
         if vocabulary == "dp" and cfg.dp is not None:
             v = cfg.data.vocab_dp
