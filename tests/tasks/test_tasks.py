@@ -40,3 +40,19 @@ def test_importing_the_tasks_imports_no_task():
             "print(any(m == 'torchrec' or m.startswith('torchrec.') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_statements_disclose_the_positional_split():
+    """The corpus/dataset -> training split step is positional with the public data.seed: every CBOW and recommender
+    statement says ε is for one unit of the prepared split (docs/privacy.md §8)."""
+    from widedp.config import config_from_dict
+    from widedp.tasks.cbow import SPLIT_NOT_COVERED, SPLIT_NOT_COVERED_POOL
+    from widedp.tasks.recsys import SPLIT_NOT_COVERED as RECSYS_SPLIT
+
+    dp = {"clip1": 1.0, "noise_multiplier": 1.0, "selection": {"name": "all"}}
+    cbow = loop_task("cbow")
+    assert SPLIT_NOT_COVERED in cbow.privacy(config_from_dict({"dp": dp})).not_covered
+    pooled = cbow.privacy(config_from_dict({"data": {"negatives_pool": 100}, "dp": dp})).not_covered
+    assert SPLIT_NOT_COVERED_POOL in pooled and SPLIT_NOT_COVERED not in pooled
+    rec = loop_task("recsys").privacy(config_from_dict({"task": "recsys", "dp": dp}))
+    assert RECSYS_SPLIT in rec.not_covered
