@@ -176,20 +176,25 @@ def _journal_steps(run: Path) -> int:
     return accounting.Ledger.from_json(json.loads((run / "spent.json").read_text())).steps
 
 
-@pytest.mark.slow
-def test_kill_9_of_one_rank_then_resume_matches_uninterrupted_run(tmp_path, capsys):
-    cfg = _cbow(tmp_path, epochs=3, ckpt_every=25)  # 300 steps, dp.rng: reproducible (the reference repeats it)
-    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
-    proc = _nproc(str(cfg), "--out", str(crashed))
+def _kill_rank1_after_a_checkpoint(cfg: Path, out: Path) -> int:
+    """Start a 2-process run of ``cfg`` into ``out``, kill -9 rank 1 right after its first checkpoint; the step."""
+    proc = _nproc(str(cfg), "--out", str(out))
     deadline = time.time() + 120
-    while not (crashed / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+    while not (out / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     time.sleep(0.3)
     victim = _rank_pid(proc.pid, 1)
     assert proc.poll() is None and victim is not None, "the run finished before it could be killed: make it longer"
     os.kill(victim, signal.SIGKILL)
     assert proc.wait(timeout=120) != 0
-    killed_at = torch.load(crashed / "checkpoint.pt", weights_only=True)["step"]
+    return torch.load(out / "checkpoint.pt", weights_only=True)["step"]
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_then_resume_matches_uninterrupted_run(tmp_path, capsys):
+    cfg = _cbow(tmp_path, epochs=3, ckpt_every=25)  # 300 steps, dp.rng: reproducible (the reference repeats it)
+    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
+    killed_at = _kill_rank1_after_a_checkpoint(cfg, crashed)
     assert 0 < killed_at < 300
     journal = _journal_steps(crashed)
     assert journal >= killed_at
@@ -231,16 +236,7 @@ def test_resume_without_generator_states_takes_fresh_seeds_on_every_rank(tmp_pat
     ones (which would redraw step 0's noise and the lost steps' batches), and the lost steps stay spent."""
     cfg = _cbow(tmp_path, epochs=3, ckpt_every=25, rng_mode="secure")
     crashed = tmp_path / "crashed"
-    proc = _nproc(str(cfg), "--out", str(crashed))
-    deadline = time.time() + 120
-    while not (crashed / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    time.sleep(0.3)
-    victim = _rank_pid(proc.pid, 1)
-    assert proc.poll() is None and victim is not None, "the run finished before it could be killed: make it longer"
-    os.kill(victim, signal.SIGKILL)
-    assert proc.wait(timeout=120) != 0
-    killed_at = torch.load(crashed / "checkpoint.pt", weights_only=True)["step"]
+    killed_at = _kill_rank1_after_a_checkpoint(cfg, crashed)
     journal, old = _journal_steps(crashed), rng.load_seeds(crashed)
     for p in (crashed / rng.PRIVATE_DIR).glob("rng-*.pt"):
         p.unlink()
