@@ -78,9 +78,17 @@ class ShardedDPEngine(SparseDPEngine):
 
     def _run_seeds(self, *, resumed: bool) -> tuple[rng.RunSeeds, bool]:
         """Rank 0's seeds (drawn, or read from RUN/private/ on resume), broadcast over the process group."""
+        return self._from_rank0(super()._run_seeds(resumed=resumed) if self.rank == 0 else None)
+
+    def _fresh_seeds(self, step: int) -> rng.RunSeeds:
+        """Rank 0's fresh seeds, broadcast (every rank samples the same batches)."""
+        return self._from_rank0((super()._fresh_seeds(step), False) if self.rank == 0 else None)[0]
+
+    def _from_rank0(self, drawn: tuple[rng.RunSeeds, bool] | None) -> tuple[rng.RunSeeds, bool]:
+        """Rank 0's (seeds, replayable) (``drawn``; None on the other ranks), broadcast to every rank."""
         mine = None
-        if self.rank == 0:
-            seeds, replayable = super()._run_seeds(resumed=resumed)
+        if drawn is not None:
+            seeds, replayable = drawn
             mine = [seeds.sampling, seeds.noise, _MODES.index(seeds.mode), int(replayable)]
         sampling, noise, mode, replayable = ranks.broadcast_ints(mine, count=4, device=self.device)
         return rng.RunSeeds(sampling=sampling, noise=noise, mode=_MODES[mode]), bool(replayable)
@@ -90,21 +98,15 @@ class ShardedDPEngine(SparseDPEngine):
         super().setup(built, task)
         self._stats = torch.zeros(2, device=self.device)  # rows selected, non-finite samples
         self.shared_gen = torch.Generator(device=self.device)
-        self._reseed()
+        self._seed_rank_generators()
 
     def _reseed(self) -> None:
         super()._reseed()
+        self._seed_rank_generators()
+
+    def _seed_rank_generators(self) -> None:
         rng.seed_generator(self.noise_gen, ranks.derive_seed(self.seeds.noise, f"rank{self.rank}"))  # this rank's
         rng.seed_generator(self.shared_gen, ranks.derive_seed(self.seeds.noise, "shared"))  # the same on every rank
-
-    def _fresh_seeds(self, step: int) -> rng.RunSeeds:
-        """Rank 0's fresh seeds, broadcast (every rank samples the same batches)."""
-        mine = None
-        if self.rank == 0:
-            s = super()._fresh_seeds(step)
-            mine = [s.sampling, s.noise, _MODES.index(s.mode), 0]
-        sampling, noise, mode, _ = ranks.broadcast_ints(mine, count=4, device=self.device)
-        return rng.RunSeeds(sampling=sampling, noise=noise, mode=_MODES[mode])
 
     def _row_optimizer(self, task: Task) -> Any:
         tc = self.cfg.train
