@@ -4,7 +4,9 @@ Pipeline (the ``paper`` preset): tokens lowercased, non-alphabetic tokens and NL
 dropped; vocabulary = the V most frequent remaining words (ties alphabetical); out-of-vocabulary tokens dropped, so
 windows run over the in-vocabulary token stream; a window of ``window`` words on EACH side of the target, never
 crossing a sentence boundary; one sample per (target, context word) pair (``pair``) or per target (``bag``);
-seeded shuffle, then the splits; ``negatives`` ids per sample from unigram^0.75, never the target.
+record-local splits (``widedp.data_prep.splits``: each sample's split, its place in the split and its ``negatives``
+ids — unigram^0.75, never the target — come from a key of the sample's own content, or its sentence's / document's
+with those units, so that adding or removing a unit changes no other sample).
 
 The window definition was chosen by counting pairs on Brown with V=1000 (the issue says "about 979K"):
 
@@ -23,8 +25,9 @@ The window definition was chosen by counting pairs on Brown with V=1000 (the iss
 
 Vocabulary (``data.vocabulary``): ``private_top`` (above), ``file:PATH`` (a public list, ``corpus.file_vocab``) or
 ``dp`` (the run's release, ``widedp.dp.vocab``: passed in as ``vocab=``, never cached). The train split also keeps
-each sample's sentence, document and corpus-order key for privacy units (``widedp.dp.units``); the splits themselves
-are sample-level whatever the unit, so valid/test are the same pairs for every unit.
+each sample's sentence, document and corpus-order key for privacy units (``widedp.dp.units``). The splits are
+sample-level whatever the unit, but the keys are the unit's (a pair's own content with ``pair``, its sentence's
+content and its index there with ``sentence``), so valid/test differ between units (same rates).
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ import numpy as np
 
 from widedp.config import DataConfig
 from widedp.data_prep import corpus as corpus_mod
+from widedp.data_prep import splits as splits_mod
 from widedp.data_prep.samples import (
-    draw_negatives,
+    draw_negatives_keyed,
     insert_phrase_units,
     insert_phrases,
     window_bags,
@@ -48,7 +52,7 @@ from widedp.data_prep.samples import (
 )
 from widedp.errors import ConfigError
 
-_FORMAT = 2  # bump when the prepared arrays change for the same parameters
+_FORMAT = 3  # bump when the prepared arrays change for the same parameters
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,9 @@ def prepare_cbow(
     With ``phrases`` and ``repeats > 0``, each phrase (vocabulary words) is inserted ``repeats`` times after the
     vocabulary is chosen on the clean corpus (seeded by ``insert_seed``): with ``privacy_unit: pair`` at random
     positions of the in-vocabulary stream (inside sentences), otherwise as its own sentence and document (one unit
-    per insertion) at random sentence boundaries. Every sample touching an inserted token goes to train,
-    valid/test come from clean samples only.
+    per insertion) at random sentence boundaries. Every sample touching an inserted token goes to train; clean
+    samples keep the split they have without the canaries (up to the few windows an insertion inside a sentence
+    changes).
 
     ``vocab``: the vocabulary to use (``data.vocabulary: dp`` needs the run's released one, see
     ``widedp.dp.vocab``); such data is not cached.
@@ -140,18 +145,23 @@ def prepare_cbow(
     sample_canary = is_canary[t_pos] | (is_canary[c_pos] & (c_pos >= 0)).any(axis=1)
     total = len(t_pos)
     order = t_pos * (2 * cfg.window + 2) + np.where(c_pos[:, 0] >= 0, c_pos[:, 0] - t_pos + cfg.window + 1, 0)
-
-    sizes = resolve_splits(cfg.splits, total, what=f"{cfg.sample_shape} samples of {cfg.corpus} (V={cfg.vocab_size})")
-    rng_split = np.random.default_rng([cfg.seed, 1])
-    rng_neg = np.random.default_rng([cfg.seed, 2])
+    context_all = np.where(c_pos >= 0, tokens[np.maximum(c_pos, 0)], -1)
+    keys = sample_keys(cfg, splits_mod.word_keys(vocab.words), tokens, sent, doc, is_canary, t_pos, context_all,
+                       order, sample_canary)
+    n_clean = int((~sample_canary).sum())
+    rates = splits_mod.split_rates(cfg.splits, n_clean, what=f"{cfg.sample_shape} samples of {cfg.corpus} "
+                                   f"(V={cfg.vocab_size})")
+    which = splits_mod.assign(keys, rates)
+    which[sample_canary] = 0  # every sample that involves a canary is trained on
     parts = []
-    for i, idx in enumerate(split_indices(sample_canary, sizes, rng_split)):
+    for i in range(3):
+        idx = splits_mod.members(which, keys, i)
+        if i == 0 and len(idx) == 0:
+            raise ConfigError(f"data.splits: the train split is empty ({list(cfg.splits)} of {n_clean:,} samples)")
         target = tokens[t_pos[idx]]
-        cp = c_pos[idx]
-        context = np.where(cp >= 0, tokens[np.maximum(cp, 0)], -1)
-        negatives = draw_negatives(target, vocab.counts, cfg.negatives, rng_neg)
+        negatives = draw_negatives_keyed(target, vocab.counts, cfg.negatives, keys[idx])
         units = (sent[t_pos[idx]], doc[t_pos[idx]], order[idx]) if i == 0 else ()
-        parts.append(Split(target, context, negatives, *units))
+        parts.append(Split(target, context_all[idx], negatives, *units))
     data = CBOWData(vocab.words, vocab.counts, *parts, total_samples=total, inserted=inserted)
     if paths is not None:
         _save(*paths, data)
@@ -173,40 +183,40 @@ def sample_positions(sent: np.ndarray, cfg: DataConfig) -> tuple[np.ndarray, np.
     return window_bags(sent, cfg.window)
 
 
-def resolve_splits(splits: Sequence[float], total: int, *, what: str = "samples") -> tuple[int, int, int]:
-    """Split sizes as sample counts: an int (or a float > 1) is a count, a float <= 1 a fraction of ``total``."""
-    sizes = []
-    for s in splits:
-        if isinstance(s, float) and s <= 1:
-            sizes.append(int(np.floor(s * total + 1e-9)))
-        elif float(s) != int(s):
-            raise ConfigError(f"data.splits: {s} is neither a fraction <= 1 nor a whole number of samples")
-        else:
-            sizes.append(int(s))
-    if sum(sizes) > total:
-        raise ConfigError(f"data.splits: {list(splits)} needs {sum(sizes):,} samples but there are only "
-                          f"{total:,} {what}")
-    if sizes[0] == 0:
-        raise ConfigError(f"data.splits: the train split is empty ({list(splits)} of {total:,} {what})")
-    return sizes[0], sizes[1], sizes[2]
+def sample_keys(
+    cfg: DataConfig, words: np.ndarray, tokens: np.ndarray, sent: np.ndarray, doc: np.ndarray, is_canary: np.ndarray,
+    t_pos: np.ndarray, context: np.ndarray, order: np.ndarray, sample_canary: np.ndarray,
+) -> np.ndarray:
+    """[n] uint64 record key of every sample (``widedp.data_prep.splits``), per ``cfg.privacy_unit``; ``words``
+    [V] the vocabulary's word keys (``splits.word_keys``): content is keyed by words, not by vocabulary ids.
 
-
-def split_indices(
-    canary: np.ndarray, sizes: tuple[int, int, int], rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sample indices of train / valid / test: valid and test are drawn from clean samples (``~canary``), train is
-    every canary sample plus clean ones up to its size, shuffled. ``canary``: [n] bool."""
-    n_train, n_valid, n_test = sizes
-    can = np.flatnonzero(canary)
-    if len(can) > n_train:
-        raise ConfigError(f"data.splits: the train split ({n_train:,}) is smaller than the {len(can):,} samples "
-                          "that involve a canary")
-    clean = rng.permutation(np.flatnonzero(~canary))
-    valid = clean[:n_valid]
-    test = clean[n_valid : n_valid + n_test]
-    fill = clean[n_valid + n_test : n_valid + n_test + n_train - len(can)]
-    train = rng.permutation(np.concatenate([can, fill])) if len(can) else fill
-    return train, valid, test
+    ``pair``: the sample's own content (target, context ids) and its count among equal samples. ``sentence`` /
+    ``document``: the unit's content (its in-vocabulary tokens, sentence by sentence) and its count among equal
+    units, then the sample's index within the unit in corpus order. Either way adding or removing one unit leaves
+    every other unit's samples with the keys they had. Canary samples (units) are counted apart from clean ones.
+    """
+    w = np.r_[words, np.uint64(0)]  # index -1 (context padding) -> 0
+    if cfg.privacy_unit == "pair":
+        return splits_mod.row_keys([w[tokens[t_pos]], w[context]], seed=cfg.seed, purpose="cbow-pair",
+                                   group_only=[sample_canary])
+    unit_of_token = sent if cfg.privacy_unit == "sentence" else doc
+    bounds = np.flatnonzero(np.r_[True, unit_of_token[1:] != unit_of_token[:-1]]) if len(tokens) else np.zeros(0, int)
+    ends = np.r_[bounds[1:], len(tokens)]
+    blobs = []
+    for a, b in zip(bounds.tolist(), ends.tolist()):
+        # sentence boundaries inside a document are content too: each sentence as (length, tokens)
+        cut = np.flatnonzero(np.r_[True, sent[a + 1:b] != sent[a:b - 1]]) + a
+        parts = [np.r_[np.uint64(e - s_), w[tokens[s_:e]]].astype("<u8").tobytes()
+                 for s_, e in zip(cut, np.r_[cut[1:], b])]
+        blobs.append((b"canary:" if is_canary[a:b].any() else b"") + b"".join(parts))
+    unit_keys = splits_mod.blob_keys(blobs, seed=cfg.seed, purpose=f"cbow-{cfg.privacy_unit}")
+    u = np.searchsorted(bounds, t_pos, side="right") - 1  # the unit of each sample's target
+    rank = np.empty(len(u), dtype=np.int64)
+    by = np.lexsort((order, u))
+    su = u[by]
+    starts = np.flatnonzero(np.r_[True, su[1:] != su[:-1]]) if len(su) else np.zeros(0, int)
+    rank[by] = np.arange(len(su)) - np.repeat(starts, np.diff(np.r_[starts, len(su)]))
+    return splits_mod.combine(unit_keys[u], rank.astype(np.uint64))
 
 
 def _phrase_ids(phrases: Sequence[Sequence[str]], vocab: list[str]) -> list[np.ndarray]:

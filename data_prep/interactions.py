@@ -16,7 +16,9 @@ Sources (``data.source``):
 Every source keeps its raw ids: ``InteractionData.ids[f][r]`` is the raw id of row r of table f (``ids.json`` in a
 run directory, and in the release of ``widedp export --format torch``).
 
-Label: rating >= ``label_threshold``. The split is a seeded random shuffle. Every feature has a fixed bag length L
+Label: rating >= ``label_threshold``. The split is record-local (``widedp.data_prep.splits``): each interaction's
+split and its place in it come from a key of its own raw fields, so adding or removing an interaction (a user)
+changes no other interaction's split; sizes are Binomial. Every feature has a fixed bag length L
 per interaction (1, or ``tags_per_item``), so a batch's KeyedJaggedTensor is built without any host sync.
 """
 
@@ -31,10 +33,11 @@ import torch
 from torch import Tensor
 
 from widedp.config.recsys import RecsysDataConfig
+from widedp.data_prep import splits as splits_mod
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysBatch, make_kjt
 
-_FORMAT = 2  # bump when the prepared arrays change for the same parameters
+_FORMAT = 3  # bump when the prepared arrays change for the same parameters
 _RATING_FIELDS = ("user", "item", "rating", "timestamp")
 
 
@@ -90,6 +93,7 @@ def prepare_interactions(cfg: RecsysDataConfig) -> InteractionData:
     cache = Path(cfg.cache_dir).expanduser() / f"recsys-{cfg.cache_key()}-v{_FORMAT}.npz" if cfg.cache_dir else None
     if cache is not None and cache.is_file():
         return _load(cache)
+    raw: dict[str, np.ndarray] | None = None
     if cfg.source == "synthetic":
         card, feats, rating = synthetic_interactions(cfg)
         ids = {k: list(range(n)) for k, n in card.items()}
@@ -105,29 +109,34 @@ def prepare_interactions(cfg: RecsysDataConfig) -> InteractionData:
         if cfg.max_interactions:
             cols = {k: v[: cfg.max_interactions] for k, v in cols.items()}
         card, feats, rating, ids = _encode(cols, time_feature=cfg.time_feature)
+        raw = cols
     label = (rating >= cfg.label_threshold).astype(np.float32)
-    n = len(label)
-    sizes = split_sizes(cfg.splits, n)
-    perm = np.random.default_rng(cfg.seed + 1).permutation(n)
-    parts, start = [], 0
-    for size in sizes:
-        sel = perm[start : start + size]
+    keys = interaction_keys(cfg, feats, rating, raw)
+    rates = splits_mod.split_rates(cfg.splits, len(label), what="interactions")
+    which = splits_mod.assign(keys, rates)
+    parts = []
+    for i in range(3):
+        sel = splits_mod.members(which, keys, i)
+        if i == 0 and len(sel) == 0:
+            raise ConfigError(f"data.splits: the train split is empty ({list(cfg.splits)} of {len(label):,} "
+                              "interactions)")
         parts.append(Interactions({k: v[sel] for k, v in feats.items()}, label[sel]))
-        start += size
     data = InteractionData(card, *parts, ids=ids)
     if cache is not None:
         _save(cache, data)
     return data
 
 
-def split_sizes(splits: tuple[float, ...], n: int) -> list[int]:
-    """[train, valid, test] sizes from integers or fractions of n."""
-    if all(isinstance(s, float) and s <= 1 for s in splits):
-        return [int(s * n) for s in splits]
-    sizes = [int(s) for s in splits]
-    if sum(sizes) > n:
-        raise ConfigError(f"data.splits: {sizes} ask for {sum(sizes)} interactions but the source has {n}")
-    return sizes
+def interaction_keys(cfg: RecsysDataConfig, feats: dict[str, np.ndarray], rating: np.ndarray,
+                     raw: dict[str, np.ndarray] | None) -> np.ndarray:
+    """[n] uint64 record key of each interaction (``widedp.data_prep.splits``): its raw fields (user and item as
+    the source spells them, rating, timestamp) — not the renumbered ids, which shift when an id appears or goes —
+    and its count among identical interactions. Synthetic data: its features and rating."""
+    if raw is not None:
+        cols = [np.asarray(raw[f]) for f in _RATING_FIELDS if f in raw]
+    else:
+        cols = [*feats.values(), rating]
+    return splits_mod.row_keys(cols, seed=cfg.seed, purpose="recsys-interaction")
 
 
 def synthetic_interactions(cfg: RecsysDataConfig) -> tuple[dict[str, int], dict[str, np.ndarray], np.ndarray]:

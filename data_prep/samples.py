@@ -70,6 +70,31 @@ def draw_negatives(target: np.ndarray, counts: np.ndarray, k: int, rng: np.rando
     return neg.astype(np.int64)
 
 
+def draw_negatives_keyed(target: np.ndarray, counts: np.ndarray, k: int, keys: np.ndarray) -> np.ndarray:
+    """``[n, k]`` ids from unigram^0.75, never the target, as ``draw_negatives`` but row i's draws come from its
+    record key ``keys[i]`` alone (``widedp.data_prep.splits``): a record's negatives do not depend on the others."""
+    from widedp.data_prep.splits import keyed_uniforms
+
+    n = len(target)
+    if k == 0 or n == 0:
+        return np.zeros((n, k), dtype=np.int64)
+    if len(counts) < 2:
+        raise ConfigError("data.negatives: a vocabulary of one word leaves no negative different from the target")
+    prob, alias = alias_table(counts.astype(np.float64) ** 0.75)
+    v = len(prob)
+    neg = np.empty((n, k), dtype=np.int64)
+    for j in range(k):
+        rows, attempt = np.arange(n), 0
+        while len(rows):
+            kr = keys[rows]
+            i = np.minimum((keyed_uniforms(kr, 2 * j, attempt) * v).astype(np.int64), v - 1)
+            pick = np.where(keyed_uniforms(kr, 2 * j + 1, attempt) < prob[i], i, alias[i])
+            neg[rows, j] = pick
+            rows = rows[pick == target[rows]]
+            attempt += 1
+    return neg
+
+
 def alias_table(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Vose's alias table of ``weights [V]``: draw i uniformly, keep it with ``prob[i]``, else take ``alias[i]``."""
     v = len(weights)

@@ -144,27 +144,26 @@ def canary_sample_count(cfg: DataConfig, phrase_ids: list[np.ndarray], repeats: 
 
 def canary_training_data(cfg: Config, canaries: list[list[str]], *, n_c: int, insert_seed: int, vocab: Any = None
                          ) -> tuple[Config, Any, dict[str, Any]]:
-    """(config with the enlarged train split, CBOWData with the canaries inserted, facts for canaries.json).
+    """(config, CBOWData with the canaries inserted, facts for canaries.json).
 
-    The config's split sizes count clean samples (fractions: of the clean samples left after the insertion); the
-    train split gets every canary sample on top. ``vocab``: the run's DP ``Vocab`` (else the config's).
+    Clean samples keep the record-local split they have without canaries (``data.splits`` rates: counts are rates
+    over the clean samples); the train split gets every canary sample on top. ``vocab``: the run's DP ``Vocab``
+    (else the config's).
     """
-    from widedp.data_prep.cbow import prepare_cbow, resolve_splits
+    from widedp.data_prep.cbow import prepare_cbow
 
     words = clean_stream(cfg.data, vocab)[0]
     index = {w: i for i, w in enumerate(words)}
     phrase_ids = [np.array([index[w] for w in p], dtype=np.int64) for p in canaries]
-    m, total, inserted = canary_sample_count(cfg.data, phrase_ids, n_c, insert_seed, vocab)
-    n_train, n_valid, n_test = resolve_splits(cfg.data.splits, total - m,
-                                              what=f"clean samples left after inserting the canaries {n_c} times")
-    data_cfg = dataclasses.replace(cfg.data, splits=(n_train + m, n_valid, n_test))
-    data = prepare_cbow(data_cfg, phrases=canaries, repeats=n_c, insert_seed=insert_seed, vocab=vocab)
+    m, _, inserted = canary_sample_count(cfg.data, phrase_ids, n_c, insert_seed, vocab)
+    data = prepare_cbow(cfg.data, phrases=canaries, repeats=n_c, insert_seed=insert_seed, vocab=vocab)
     if data.inserted is None or not np.array_equal(data.inserted, inserted):  # pragma: no cover - guards drift
         raise RuntimeError("canary positions differ from prepare_cbow's: update canary_sample_count")
-    facts = {"canary_samples": m, "clean_train_samples": n_train, "splits": [n_train + m, n_valid, n_test],
+    sizes = [len(data.train), len(data.valid), len(data.test)]
+    facts = {"canary_samples": m, "clean_train_samples": sizes[0] - m, "splits": sizes,
              "inserted": data.inserted.tolist(),
              "canary_units": "own" if cfg.data.privacy_unit != "pair" else "inside sentences"}
-    return dataclasses.replace(cfg, data=data_cfg), data, facts
+    return cfg, data, facts
 
 
 def train_canary_run(cfg: Config, run_dir: Path, *, label: str, n_c: int, num_canaries: int, seed: int,

@@ -215,7 +215,7 @@ def test_epsilon_equals_cli(tmp_path, capsys):
             opt.step()
     assert eng.ledger.steps == rep["steps"] == 20
     assert eng.epsilon() == pytest.approx(rep["epsilon"], rel=1e-12)
-    by_hand = StepSpend(24 / 240, (GaussianSpend(0.8, min(1.0 / 24, 2 * 0.5)), ExponentialSpend(0.05, 5)))
+    by_hand = StepSpend(24 / rep["n_train"], (GaussianSpend(0.8, min(1.0 / 24, 2 * 0.5)), ExponentialSpend(0.05, 5)))
     assert eng.epsilon() == pytest.approx(accounting.epsilon_for_step(by_hand, steps=20, delta=1e-5), rel=1e-12)
     assert f"ε={rep['epsilon']:.4g}" in eng.statement().text
 

@@ -12,7 +12,7 @@ from widedp.errors import ConfigError
 
 def test_defaults_and_preset():
     cfg = config_from_dict({})
-    assert cfg.data.vocab_size == 1000 and cfg.data.splits == (200_000, 100_000, 200_000)
+    assert cfg.data.vocab_size == 1000 and cfg.data.splits == (0.20425, 0.10212, 0.20425)
     assert cfg.dp is None
     assert config_from_dict(cfg.to_dict()) == cfg  # to_dict writes dp: null for non-private
     cfg = config_from_dict({"data": {"preset": "brown_10k"}})

@@ -46,14 +46,17 @@ def test_canaries_land_in_train(tmp_path: Path, shape: str) -> None:
     assert d.vocab == clean.vocab and d.vocab[-1] == "zebra"
     assert d.inserted is not None and d.inserted.shape == (14, 2)
     assert np.bincount(d.inserted[:, 0]).tolist() == [repeats, repeats]  # each phrase `repeats` times
-    assert [len(s) for s in all_splits(d)] == [int(f * d.total_samples) for f in (0.5, 0.2, 0.2)]
+    total, n_zebra, m = _reference_counts(_sentence_ids(text, d.vocab), d, phrases, window=2, shape=shape)
+    n = total - m  # clean samples: split at the rates, every canary sample on top of train
+    sizes = np.array([len(s) for s in all_splits(d)]) - [m, 0, 0]
+    rates = np.array([0.5, 0.2, 0.2])
+    assert (np.abs(sizes - rates * n) <= 4 * np.sqrt(n * rates * (1 - rates))).all(), (sizes, n, m)
 
     zebra = d.vocab.index("zebra")
 
     def touches_zebra(s: Split) -> np.ndarray:
         return (s.target == zebra) | (s.context == zebra).any(axis=1)
 
-    total, n_zebra = _reference_counts(_sentence_ids(text, d.vocab), d, phrases, window=2, shape=shape)
     assert d.total_samples == total
     assert not touches_zebra(d.valid).any() and not touches_zebra(d.test).any()
     assert touches_zebra(d.train).sum() == n_zebra > 0  # every sample of an inserted zebra is in train
@@ -68,37 +71,35 @@ def _sentence_ids(text: str, vocab: list[str]) -> list[list[int]]:
 
 def _reference_counts(
     sents: list[list[int]], d: CBOWData, phrases: list[list[str]], *, window: int, shape: str
-) -> tuple[int, int]:
-    """Naive loops over the stream rebuilt from ``d.inserted``: (all samples, samples touching an inserted zebra)."""
+) -> tuple[int, int, int]:
+    """Naive loops over the stream rebuilt from ``d.inserted``: (all samples, samples touching an inserted zebra,
+    samples touching any inserted token)."""
     assert d.inserted is not None
     index = {w: i for i, w in enumerate(d.vocab)}
     zebra = index["zebra"]
     flat = [(w, s) for s, line in enumerate(sents) for w in line]
     stream: list[tuple[int, int]] = []
+    inserted: set[int] = set()
     for i in range(len(flat) + 1):
         for j in d.inserted[d.inserted[:, 1] == i, 0]:
+            inserted.update(range(len(stream), len(stream) + len(phrases[j])))
             stream += [(index[w], flat[min(i, len(flat) - 1)][1]) for w in phrases[j]]
         if i < len(flat):
             stream.append(flat[i])
-    total = n_zebra = 0
+    total = n_zebra = n_canary = 0
     for t, (wt, st) in enumerate(stream):
         ctx = [c for c in range(t - window, t + window + 1) if c != t and 0 <= c < len(stream) and stream[c][1] == st]
         if shape == "pair":
             total += len(ctx)
             n_zebra += sum(wt == zebra or stream[c][0] == zebra for c in ctx)
+            n_canary += sum(t in inserted or c in inserted for c in ctx)
         elif ctx:
             total += 1
             n_zebra += wt == zebra or any(stream[c][0] == zebra for c in ctx)
-    return total, n_zebra
+            n_canary += t in inserted or any(c in inserted for c in ctx)
+    return total, n_zebra, n_canary
 
 
 def test_canary_word_not_in_vocab(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="phrases\\[1\\]: 'mat' is not in the vocabulary"):
         prepare_cbow(tiny_cfg(tmp_path), phrases=[["cat"], ["dog", "mat"]], repeats=1)
-
-
-def test_canaries_need_room_in_train(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="canary"):
-        prepare_cbow(tiny_cfg(tmp_path, splits=(2, 0, 0)), phrases=[["cat", "dog"]], repeats=3)
-
-

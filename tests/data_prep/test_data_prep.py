@@ -26,8 +26,9 @@ from scipy import stats
 
 from widedp.config import DATA_PRESETS, DataConfig
 from widedp.data_prep import corpus
-from widedp.data_prep.cbow import prepare_cbow, resolve_splits
-from widedp.data_prep.samples import draw_negatives
+from widedp.data_prep.cbow import prepare_cbow
+from widedp.data_prep.samples import draw_negatives, draw_negatives_keyed
+from widedp.data_prep.splits import row_keys, split_rates
 from widedp.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------- preprocessing by hand
@@ -124,6 +125,24 @@ def test_negatives_follow_unigram_075_and_avoid_target() -> None:
         assert pvalue(1.0) < 1e-12  # negative control: plain unigram is rejected
 
 
+def test_keyed_negatives_follow_unigram_075_and_depend_on_their_key_only() -> None:
+    counts = np.array([4096, 512, 64, 8, 1])
+    target = np.repeat([0, 2], 10_000)
+    keys = row_keys([np.arange(20_000)], seed=3, purpose="test")
+    neg = draw_negatives_keyed(target, counts, 8, keys)
+    assert neg.shape == (20_000, 8) and not (neg == target[:, None]).any()
+    for t in (0, 2):
+        obs = np.bincount(neg[target == t].ravel(), minlength=5)
+        others = np.arange(5) != t
+        for power, ok in ((0.75, True), (1.0, False)):  # 1.0: negative control
+            q = counts[others] ** power
+            p = stats.chisquare(obs[others], q / q.sum() * obs[others].sum()).pvalue
+            assert (p > 1e-3) if ok else (p < 1e-12)
+    # row i's negatives are a function of (target i, key i): the same in any company
+    sub = np.array([5, 17_000, 3])
+    np.testing.assert_array_equal(draw_negatives_keyed(target[sub], counts, 8, keys[sub]), neg[sub])
+
+
 def test_negatives_in_prepared_data(tmp_path: Path) -> None:
     d = prepare_cbow(tiny_cfg(tmp_path, negatives=8))
     for s in all_splits(d):
@@ -152,31 +171,33 @@ def test_seeded_determinism(tmp_path: Path) -> None:
     assert not np.array_equal(a.train.negatives, c.train.negatives)
 
 
-def test_split_sizes_and_disjoint_cover(tmp_path: Path) -> None:
+def test_split_sizes_are_binomial_and_partition_the_samples(tmp_path: Path) -> None:
     rng = np.random.default_rng(2)
     text = random_text(rng, 200, WORDS, np.full(20, 1 / 20))
     full = prepare_cbow(tiny_cfg(tmp_path, text, vocab_size=15, window=2))
     n = full.total_samples
-    d = prepare_cbow(tiny_cfg(tmp_path, text, vocab_size=15, window=2, splits=(0.6, 0.2, 0.2)))
-    assert [len(s) for s in all_splits(d)] == [int(0.6 * n), int(0.2 * n), int(0.2 * n)]
-    d = prepare_cbow(tiny_cfg(tmp_path, text, vocab_size=15, window=2, splits=(n - 30, 10, 20)))
-    assert [len(s) for s in all_splits(d)] == [n - 30, 10, 20]
-    merged = collections.Counter(p for s in all_splits(d) for p in pairs_of(s))
-    assert merged == collections.Counter(pairs_of(full.train))  # a partition of all samples
+    for splits in ((0.6, 0.2, 0.2), (n - 300, 100, 200)):
+        d = prepare_cbow(tiny_cfg(tmp_path, text, vocab_size=15, window=2, splits=splits))
+        rates = np.array(splits, dtype=float) / (1 if splits[0] < 1 else n)
+        sizes = np.array([len(s) for s in all_splits(d)])
+        assert (np.abs(sizes - rates * n) <= 4 * np.sqrt(n * rates * (1 - rates))).all(), (sizes, rates * n)
+        merged = collections.Counter(p for s in all_splits(d) for p in pairs_of(s))
+        assert merged == collections.Counter(pairs_of(full.train))  # a partition of all samples
+    half = prepare_cbow(tiny_cfg(tmp_path, text, vocab_size=15, window=2, splits=(0.5, 0.0, 0.0)))
+    assert abs(len(half.train) - n / 2) <= 4 * np.sqrt(n / 4)  # the rest unused
 
 
-def test_resolve_splits() -> None:
-    assert resolve_splits((0.5, 0.25, 0.25), 10) == (5, 2, 2)
-    assert resolve_splits((6, 2, 2), 10) == (6, 2, 2)
-    assert resolve_splits((1.0, 0.0, 0.0), 7) == (7, 0, 0)
-    with pytest.raises(ConfigError, match="data.splits"):
-        resolve_splits((6, 3, 2), 10)
-    with pytest.raises(ConfigError, match="data.splits"):
-        resolve_splits((2.5, 0, 0), 10)
+def test_split_rates() -> None:
+    assert split_rates((0.5, 0.25, 0.25), 10) == (0.5, 0.25, 0.25)
+    assert split_rates((6, 2, 2), 10) == (0.6, 0.2, 0.2)
+    assert split_rates((1.0, 0.0, 0.0), 7) == (1.0, 0.0, 0.0)
+    for bad in ((6, 3, 2), (2.5, 0, 0), (0, 1, 1)):
+        with pytest.raises(ConfigError, match="data.splits"):
+            split_rates(bad, 10)
 
 
 def test_too_large_splits_raise(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"data.splits: .*only 8"):
+    with pytest.raises(ConfigError, match=r"data.splits: .*more than the 8"):
         prepare_cbow(tiny_cfg(tmp_path, splits=(5, 2, 2)))
 
 
@@ -304,5 +325,6 @@ def test_brown_paper_pair_count(brown_cache: str, monkeypatch: pytest.MonkeyPatc
     cfg = DataConfig(**(DATA_PRESETS["paper"] | dict(cache_dir=brown_cache)))
     d = prepare_cbow(cfg)
     assert d.total_samples == 979_216
-    assert [len(s) for s in all_splits(d)] == [200_000, 100_000, 200_000]
+    for s, n in zip(all_splits(d), (200_000, 100_000, 200_000)):  # expected counts: rate n / 979,216
+        assert abs(len(s) - n) <= 4 * np.sqrt(n * (1 - n / 979_216)), (len(s), n)
     assert len(d.vocab) == 1000 and d.counts[0] >= d.counts[-1]

@@ -25,8 +25,8 @@ def _config(tmp_path, *, rng_mode: str | None = None, steps: int = 100, ckpt_eve
     cfg.write_text(f"""
 {data_section(tmp_path)}
 model: {{dim: 8, tied: false}}
-train: {{epochs: {steps // 100}, batch_size: 10, optimizer: lazy_adam, lr: 0.01, log_every: 25,
-        checkpoint_every: {ckpt_every}, eval_max_samples: 50, seed: 3}}
+train: {{epochs: {steps // 100 + 1}, max_steps: {steps}, batch_size: 10, optimizer: lazy_adam, lr: 0.01,
+        log_every: 25, checkpoint_every: {ckpt_every}, eval_max_samples: 50, seed: 3}}
 dp:
   clip1: 1.0
   clip2: 1.0

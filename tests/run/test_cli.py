@@ -22,19 +22,19 @@ def _sets(*pairs):
 def test_nonprivate_brown_smoke(tmp_path, brown_cache, capsys):
     out = tmp_path / "run"
     rc = main(["train", "configs/brown_cbow_nonprivate.yaml", "--out", str(out), "--no-progress",
-               *_sets(*SMALL, f"data.cache_dir={brown_cache}", "train.max_steps=400", "train.batch_size=50")])
+               *_sets(*SMALL, f"data.cache_dir={brown_cache}", "train.max_steps=380", "train.batch_size=50")])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     for key in ("train_loss", "valid_loss", "test_loss", "samples_per_s", "steps", "epochs", "config_hash"):
         assert key in summary
-    assert summary["steps"] == 400
+    assert summary["steps"] == 380  # < one epoch of the ~20,000 train pairs
     assert summary["valid_loss"] < summary["initial_valid_loss"]
     assert (out / "loss.png").stat().st_size > 1000
     assert (out / "checkpoint.pt").exists()
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["kind"] for x in lines][:3] == ["notice", "start", "interval"]
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert printed["steps"] == 400
+    assert printed["steps"] == 380
 
 
 @pytest.mark.slow
@@ -140,6 +140,6 @@ def test_epsilon_command(capsys):
     for key in ("epsilon", "epsilon_rdp", "delta", "steps", "sampling_rate", "noise_multiplier", "adjacency",
                 "parts"):
         assert key in rep
-    # 20 epochs of n/b = 200,000/1,000 Poisson steps; DP-SGD spends only the (subsampled) Gaussian
-    assert rep["steps"] == 4000 and rep["sampling_rate"] == pytest.approx(5e-3)
+    # 20 epochs of n/b = ~200,000/1,000 Poisson steps (n Binomial); DP-SGD spends only the (subsampled) Gaussian
+    assert rep["steps"] == 4000 and rep["sampling_rate"] == pytest.approx(5e-3, rel=0.01)
     assert rep["parts"]["selection"]["pld"] == 0 and rep["epsilon"] == pytest.approx(rep["parts"]["noise"]["pld"])

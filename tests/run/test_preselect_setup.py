@@ -32,8 +32,8 @@ def _config(tmp_path, *, steps=100, ckpt_every=0, dp_extra="", selection="{name:
     cfg.write_text(f"""
 {data_section(tmp_path, words=13, extra=data_extra)}
 model: {{dim: 8, tied: false}}
-train: {{epochs: {steps // 100}, batch_size: 10, optimizer: lazy_adam, lr: 0.01, log_every: 25,
-        checkpoint_every: {ckpt_every}, eval_max_samples: 50, seed: 3}}
+train: {{epochs: {steps // 100 + 1}, max_steps: {steps}, batch_size: 10, optimizer: lazy_adam, lr: 0.01,
+        log_every: 25, checkpoint_every: {ckpt_every}, eval_max_samples: 50, seed: 3}}
 dp:
   clip1: 1.0
   clip2: 1.0

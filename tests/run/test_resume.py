@@ -20,8 +20,8 @@ def _config(tmp_path, *, steps: int, extra_dp: str = "", ckpt_every: int = 0):
     cfg.write_text(f"""
 {data_section(tmp_path, lines=400)}
 model: {{dim: 16, tied: false}}
-train: {{epochs: {steps // 100}, batch_size: 10, optimizer: lazy_adam, lr: 0.01, log_every: 25,
-        checkpoint_every: {ckpt_every}, eval_max_samples: 50}}
+train: {{epochs: {steps // 100 + 1}, max_steps: {steps}, batch_size: 10, optimizer: lazy_adam, lr: 0.01,
+        log_every: 25, checkpoint_every: {ckpt_every}, eval_max_samples: 50}}
 dp:
   clip1: 1.0
   clip2: 1.0

@@ -46,8 +46,8 @@ def _cbow(tmp_path: Path, *, epochs: int = 1, ckpt_every: int = 20, rng_mode: st
     cfg.write_text(f"""
 {data_section(tmp_path)}
 model: {{dim: 8, tied: false}}
-train: {{epochs: {epochs}, batch_size: 10, optimizer: lazy_adam, lr: 0.01, log_every: 25,
-        checkpoint_every: {ckpt_every}, eval_max_samples: 50, seed: 3}}
+train: {{epochs: {epochs + 1}, max_steps: {100 * epochs}, batch_size: 10, optimizer: lazy_adam, lr: 0.01,
+        log_every: 25, checkpoint_every: {ckpt_every}, eval_max_samples: 50, seed: 3}}
 dp:
   clip1: 1.0
   clip2: 1.0

@@ -10,12 +10,13 @@ from snapshots import train_with_snapshot
 
 import widedp.run.engines.sparse as sparse_mod
 from widedp import accounting
+from widedp.accounting.statement import SIZE_NOT_COVERED
 from widedp.cli import main
 from widedp.config import load_config
 from widedp.dp import vocab as vocab_dp
 from widedp.errors import ConfigError
 from widedp.run.train import train
-from widedp.tasks.cbow import SPLIT_NOT_COVERED
+from widedp.tasks.cbow import COUNTED_SPLITS_NOT_COVERED
 
 rng = np.random.default_rng(0)
 WORDS = [f"w{i}" for i in range(30)]
@@ -74,7 +75,8 @@ def test_sentence_units_with_dp_vocabulary_end_to_end(tmp_path, monkeypatch, cap
     assert summary["dp"]["epsilon"] > training_only
     text = summary["privacy"]["text"]
     assert "one sentence (≤ 4 pairs)" in text and "includes: the DP vocabulary" in text
-    assert summary["privacy"]["not_covered"] == [SPLIT_NOT_COVERED]  # the vocabulary is covered; the split is not
+    # the vocabulary and the split are covered; the data's size and the counted split sizes are not
+    assert summary["privacy"]["not_covered"] == [COUNTED_SPLITS_NOT_COVERED, SIZE_NOT_COVERED]
     # the run's vocabulary is its release; negatives come from its noisy counts
     release = vocab_dp.load_release(run)
     assert json.loads((run / "vocab.json").read_text()) == release.words
@@ -114,7 +116,8 @@ def test_public_word_list(tmp_path):
     cfg = load_config(_config(tmp_path, vocabulary=f"file:{tmp_path / 'words.txt'}"))
     summary = train(cfg, tmp_path / "run", progress=False)
     assert json.loads((tmp_path / "run" / "vocab.json").read_text()) == [f"w{i}" for i in range(15)]
-    assert "public word list" in summary["privacy"]["text"] and summary["privacy"]["not_covered"] == [SPLIT_NOT_COVERED]
+    assert "public word list" in summary["privacy"]["text"] and summary["privacy"]["not_covered"] == [
+        COUNTED_SPLITS_NOT_COVERED, SIZE_NOT_COVERED]
     assert len(accounting.Ledger.from_json(summary["dp"]["ledger"]).runs) == 1  # nothing before the steps
 
 

@@ -42,17 +42,26 @@ def test_importing_the_tasks_imports_no_task():
     assert out.strip() == "False"
 
 
-def test_statements_disclose_the_positional_split():
-    """The corpus/dataset -> training split step is positional with the public data.seed: every CBOW and recommender
-    statement says ε is for one unit of the prepared split (docs/privacy.md §8)."""
+def test_statements_list_what_the_record_local_split_leaves_out():
+    """The split is record-local (``widedp.data_prep.splits``), so it is covered; what is not: the data's size
+    (q = b/N), split sizes given as counts (rates n/N) and positional cuts (max_sentences / max_interactions)."""
+    from widedp.accounting.statement import SIZE_NOT_COVERED, for_run
     from widedp.config import config_from_dict
-    from widedp.tasks.cbow import SPLIT_NOT_COVERED, SPLIT_NOT_COVERED_POOL
-    from widedp.tasks.recsys import SPLIT_NOT_COVERED as RECSYS_SPLIT
+    from widedp.tasks.cbow import COUNTED_SPLITS_NOT_COVERED, VOCAB_NOT_COVERED
+    from widedp.tasks.recsys import COUNTED_SPLITS_NOT_COVERED as RECSYS_COUNTED
 
     dp = {"clip1": 1.0, "noise_multiplier": 1.0, "selection": {"name": "all"}}
     cbow = loop_task("cbow")
-    assert SPLIT_NOT_COVERED in cbow.privacy(config_from_dict({"dp": dp})).not_covered
-    pooled = cbow.privacy(config_from_dict({"data": {"negatives_pool": 100}, "dp": dp})).not_covered
-    assert SPLIT_NOT_COVERED_POOL in pooled and SPLIT_NOT_COVERED not in pooled
+    assert cbow.privacy(config_from_dict({"dp": dp})).not_covered == (VOCAB_NOT_COVERED,)  # paper: fractions
+    counts = cbow.privacy(config_from_dict({"data": {"splits": [1000, 100, 100]}, "dp": dp}))
+    assert counts.not_covered == (VOCAB_NOT_COVERED, COUNTED_SPLITS_NOT_COVERED)
+    fractions = cbow.privacy(config_from_dict({"data": {"splits": [0.5, 0.2, 0.2], "max_sentences": 50}, "dp": dp}))
+    assert COUNTED_SPLITS_NOT_COVERED not in fractions.not_covered
+    assert any("first 50 sentences by position" in g for g in fractions.not_covered)
+    stmt = for_run(fractions, epsilon=1.0, delta=1e-5, accountant="pld", private_rng=True)
+    assert stmt.not_covered[-1] == SIZE_NOT_COVERED and "q = b/N" in stmt.text
     rec = loop_task("recsys").privacy(config_from_dict({"task": "recsys", "dp": dp}))
-    assert RECSYS_SPLIT in rec.not_covered
+    assert rec.not_covered == ()  # synthetic, fractions: only the size, added by for_run
+    counted = loop_task("recsys").privacy(config_from_dict({"task": "recsys", "data": {"splits": [100, 10, 10]},
+                                                            "dp": dp}))
+    assert counted.not_covered == (RECSYS_COUNTED,)

@@ -15,6 +15,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+#: Every Poisson-sampled run: q = b / N uses the number N of training units, which add/remove changes by one.
+SIZE_NOT_COVERED = ("the data's size (N training units, treated as public as Opacus does: it sets the sampling "
+                    "rate q = b/N)")
+
 #: ADJACENCY -> the words used in the statement.
 ADJACENCY = {"add_remove": "adding/removing", "replace": "replacing"}
 
@@ -85,9 +89,9 @@ def for_run(facts: UnitFacts, *, epsilon: float | None, delta: float | None, acc
 
     if epsilon is None:
         return PrivacyStatement(None, None, facts.unit, private=False, reason="trained without differential privacy")
-    return PrivacyStatement(epsilon, delta, facts.unit, accountant=accountant.upper(), not_covered=facts.not_covered,
-                            private=private_rng, reason="" if private_rng else NOT_PRIVATE, extra=extra or {},
-                            includes=facts.includes)
+    return PrivacyStatement(epsilon, delta, facts.unit, accountant=accountant.upper(),
+                            not_covered=(*facts.not_covered, SIZE_NOT_COVERED), private=private_rng,
+                            reason="" if private_rng else NOT_PRIVATE, extra=extra or {}, includes=facts.includes)
 
 
 def with_preselect(facts: UnitFacts, dp: Any) -> UnitFacts:

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from widedp import accounting
-from widedp.accounting.statement import PrivacyStatement
+from widedp.accounting.statement import SIZE_NOT_COVERED, PrivacyStatement
 from widedp.api.capture import Capture
 from widedp.api.loader import PoissonLoader
 from widedp.api.per_sample import Layout, batch_size_of, collect, empty_rows, losses_and_rows
@@ -292,7 +292,7 @@ class PrivacyEngine:
         reason = "" if self._seeds.private else ("secure_rng=False: sampling, selection and noise are derived from "
                                                   "the public seed given to PrivacyEngine")
         return PrivacyStatement(self.epsilon(), self._dp.delta, unit, accountant=self._dp.accountant.upper(),
-                                private=self._seeds.private, reason=reason,
+                                not_covered=(SIZE_NOT_COVERED,), private=self._seeds.private, reason=reason,
                                 extra={"noise_multiplier": self.noise_multiplier, "steps": self.steps,
                                        "sampling_rate": self.sampling_rate, "selection": self._dp.selection.name})
 

@@ -13,9 +13,10 @@ from widedp.errors import ConfigError
 
 #: Named preprocessing presets; explicit keys in ``data:`` override them.
 DATA_PRESETS: dict[str, dict[str, Any]] = {
-    # The paper's Sec. 6 setting: V=1000, window 4, 8 negatives, 200K/100K/200K (target, context) pairs.
+    # The paper's Sec. 6 setting: V=1000, window 4, 8 negatives, 200K/100K/200K (target, context) pairs expected:
+    # fractions of Brown's 979,216 pairs (a fraction, unlike a count, does not depend on the data's size).
     "paper": {"corpus": "brown", "vocab_size": 1000, "window": 4, "negatives": 8, "sample_shape": "pair",
-              "splits": [200_000, 100_000, 200_000]},
+              "splits": [0.20425, 0.10212, 0.20425]},
     # The whole Brown corpus with V=10,000 (splits: every sample, 60/20/20 by fraction).
     "brown_10k": {"corpus": "brown", "vocab_size": 10_000, "window": 4, "negatives": 8, "sample_shape": "pair",
                   "splits": [0.6, 0.2, 0.2]},
@@ -91,8 +92,11 @@ class DataConfig(TokenFilter):
             noised every step for free, left out of the selection's scores (``dp_step``'s ``public_rows``). 0 = the
             negatives stored with each sample. Evaluation always uses the stored ones.
         sample_shape: ``pair`` (target + one context word, the paper's) or ``bag`` (target + its whole window).
-        splits: sizes of train / valid / test: integers (samples) or fractions of all samples summing to <= 1.
-        seed: seed of the shuffle and of the negatives.
+        splits: train / valid / test: fractions of all samples summing to <= 1, or expected counts (rate n / N
+            over the N samples: the rate then depends on the data's size, which the privacy statement lists). Each
+            sample's split is drawn from a key of its own record (``widedp.data_prep.splits``), so sizes are
+            Binomial, and adding or removing a unit changes no other sample's split.
+        seed: seed of the record keys (the splits and the stored negatives); need not be secret.
         lowercase, alpha_only, remove_stopwords: token filters (``TokenFilter``).
         max_sentences: keep only the first N sentences (0 = all) — for smoke tests.
         cache_dir: where prepared id arrays are cached (keyed by these parameters); "" turns caching off.
@@ -117,7 +121,7 @@ class DataConfig(TokenFilter):
     negatives: int = 8
     negatives_pool: int = 0
     sample_shape: Literal["pair", "bag"] = "pair"
-    splits: tuple[float, ...] = (200_000, 100_000, 200_000)
+    splits: tuple[float, ...] = (0.20425, 0.10212, 0.20425)
     seed: int = 0
     max_sentences: int = 0
     hf_split: str = "train"
@@ -155,10 +159,10 @@ class DataConfig(TokenFilter):
             raise ConfigError(f"data.corpus: file not found: {self.corpus[5:]}")
 
     def cache_key(self) -> str:
-        """Hash of every parameter that changes the prepared arrays (not where they are cached, nor the privacy
-        unit or the DP vocabulary's parameters: a DP vocabulary's arrays are never cached)."""
-        unit = self.privacy_unit if self.vocabulary == "dp" else "pair"  # (dp with pair units is refused)
-        plain = dataclasses.replace(self, privacy_unit=unit, max_samples_per_unit=32, vocab_dp=VocabDPConfig())
+        """Hash of every parameter that changes the prepared arrays (not where they are cached, nor the DP
+        vocabulary's parameters: a DP vocabulary's arrays are never cached). The privacy unit is in: it keys the
+        record-local split (``widedp.data_prep.splits``)."""
+        plain = dataclasses.replace(self, max_samples_per_unit=32, vocab_dp=VocabDPConfig())
         drop = ("negatives_pool",)  # drawn at each step, not prepared
         key = data_cache_key(plain, self.corpus[5:] if self.corpus.startswith("text:") else None, drop=drop)
         if self.vocabulary.startswith("file:"):

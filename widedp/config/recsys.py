@@ -55,14 +55,17 @@ class RecsysDataConfig:
             drawn with replacement (duplicates inside a bag happen on purpose); 0 = no tag feature.
         time_feature: ratings / HF sources: an ``hour`` feature (24 values) from the timestamp.
         label_threshold: label = 1 if rating >= threshold else 0 (synthetic ratings are 1..5 as well).
-        splits: train / valid / test sizes: integers (interactions) or fractions summing to <= 1 (random split).
-        seed: seed of the synthetic generator and of the shuffle.
+        splits: train / valid / test: fractions summing to <= 1, or expected counts (rate n / N over the N
+            interactions). Record-local: each interaction's split comes from a key of its own raw fields
+            (``widedp.data_prep.splits``), so sizes are Binomial.
+        seed: seed of the synthetic generator and of the record keys (need not be secret).
         max_interactions: keep only the first N interactions of the source (0 = all) — smoke runs.
         cache_dir: where prepared arrays are cached (keyed by these parameters); ``""`` turns caching off.
         privacy_unit: ``interaction`` (one example) | ``user`` (every interaction of one user id: DP training
             Poisson-samples users, train.batch_size = the expected number of USERS per batch, and clips each user's
             summed gradient at S1; see ``widedp.dp.units``).
-        max_samples_per_unit: m, a user keeps only their first m train interactions (train-split order).
+        max_samples_per_unit: m, a user keeps only their first m train interactions in train-split order (the
+            order of their record keys: a rule of each user's own records).
     """
 
     preset: Literal["synthetic", "movielens", "movielens100k", "custom"] = "synthetic"

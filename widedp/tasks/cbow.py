@@ -19,6 +19,7 @@ from widedp.config import Config
 from widedp.data_prep import corpus as corpus_mod
 from widedp.data_prep.cbow import CBOWData, Split, prepare_cbow
 from widedp.data_prep.samples import alias_table
+from widedp.data_prep.splits import counted
 from widedp.dp import rng, units
 from widedp.dp import vocab as vocab_dp
 from widedp.errors import ConfigError
@@ -28,16 +29,13 @@ from widedp.tasks.protocol import Built, OpacusParts, Shape
 
 VOCAB_NOT_COVERED = ("vocabulary not private: the vocabulary (the top-V words of the training corpus by count, ties "
                      "at the cut included) and the negative-sampling distribution (their counts)")
-#: The corpus -> training split step is positional (data_prep.cbow: a permutation of all samples and the stored
-#: negatives in split order, both from data.seed in config.yaml): a pair added to or removed from the corpus moves
-#: other pairs between splits and changes their negatives. The guarantee is for the prepared training split.
-SPLIT_NOT_COVERED = ("the corpus -> training split: which pairs are trained on and each pair's stored negatives are "
-                     "drawn by position with the public data.seed; ε is for one unit of that prepared split, not for "
-                     "adding/removing one in the corpus")
-#: With data.negatives_pool the negatives come from the secret per-step stream: only the split is positional.
-SPLIT_NOT_COVERED_POOL = ("the corpus -> training split: which pairs are trained on is drawn by position with the "
-                          "public data.seed; ε is for one unit of that prepared split, not for adding/removing one in "
-                          "the corpus")
+#: data.splits as counts: the rate n / N of each split uses the corpus's number of samples N.
+COUNTED_SPLITS_NOT_COVERED = ("data.splits given as counts: each split's rate n/N uses the corpus's number of "
+                              "samples N (fractions do not)")
+
+
+def max_sentences_not_covered(n: int) -> str:
+    return f"data.max_sentences: {n}: the corpus is cut to its first {n} sentences by position"
 
 
 @dataclass(frozen=True)
@@ -179,13 +177,12 @@ class CBOWTask(LoopTask):
         return Built(splits, model, {"vocabulary": release.mechanism} if release is not None else {})
 
     def shape(self, cfg: Config) -> Shape:
-        """n without preparing the data when the splits are counts and samples are the unit; else the train split
-        (a DP vocabulary is drawn per run, so then n is estimated with the top-V vocabulary: noted)."""
+        """n of the prepared train split (Binomial: a count in data.splits is only its expectation; a DP
+        vocabulary is drawn per run, so then n is estimated with the top-V vocabulary: noted)."""
         num_rows = cfg.data.vocab_size * (1 if cfg.model.tied else 2)
         dp_vocab = cfg.data.vocabulary == "dp" and cfg.dp is not None
         if units.is_per_sample(cfg) and not dp_vocab:
-            first = cfg.data.splits[0]
-            return Shape(first if isinstance(first, int) else len(prepare_cbow(cfg.data).train.target), num_rows)
+            return Shape(len(prepare_cbow(cfg.data).train.target), num_rows)
         data_cfg, notes = cfg.data, {}
         if dp_vocab:
             data_cfg = replace(data_cfg, vocabulary="private_top")
@@ -211,8 +208,9 @@ class CBOWTask(LoopTask):
         else:
             unit = units.unit_name(cfg, "pairs" if cfg.data.sample_shape == "pair" else "samples")
         vocabulary = cfg.data.vocabulary
-        split = SPLIT_NOT_COVERED_POOL if cfg.data.negatives_pool else SPLIT_NOT_COVERED
-        gaps = ((VOCAB_NOT_COVERED,) if vocabulary == "private_top" else ()) + (split,)
+        gaps = ((VOCAB_NOT_COVERED,) if vocabulary == "private_top" else ()) + (
+            (COUNTED_SPLITS_NOT_COVERED,) if counted(cfg.data.splits) else ()) + (
+            (max_sentences_not_covered(cfg.data.max_sentences),) if cfg.data.max_sentences else ())
         includes: tuple[str, ...] = ()
         if vocabulary == "dp" and cfg.dp is not None:
             v = cfg.data.vocab_dp

@@ -27,6 +27,7 @@ from widedp.accounting.statement import UnitFacts
 from widedp.config import Config
 from widedp.config.recsys import RecsysModelConfig
 from widedp.data_prep.interactions import InteractionData, RecsysSplit, prepare_interactions
+from widedp.data_prep.splits import counted
 from widedp.dp import units
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysModel
@@ -35,8 +36,8 @@ from widedp.tasks.base import LoopTask
 from widedp.tasks.protocol import Built
 
 IDS_NOT_COVERED = "the embedding-table sizes and id -> row numbering (computed from the data's distinct ids)"
-SPLIT_NOT_COVERED = ("the dataset -> training split: a permutation of all interactions by position with the public "
-                     "data.seed; ε is for one unit of that prepared split, not for adding/removing one in the dataset")
+COUNTED_SPLITS_NOT_COVERED = ("data.splits given as counts: each split's rate n/N uses the number of "
+                              "interactions N (fractions do not)")
 
 
 def build_model(cardinality: dict[str, int], cfg: RecsysModelConfig, *, seed: int,
@@ -92,7 +93,12 @@ class RecsysTask(LoopTask):
     def privacy(self, cfg: Config) -> UnitFacts:
         unit = ("interaction (one user-item example)" if units.is_per_sample(cfg)
                 else units.unit_name(cfg, "interactions"))
-        return UnitFacts(unit, (() if cfg.data.source == "synthetic" else (IDS_NOT_COVERED,)) + (SPLIT_NOT_COVERED,))
+        d = cfg.data
+        gaps = (() if d.source == "synthetic" else (IDS_NOT_COVERED,)) + (
+            (COUNTED_SPLITS_NOT_COVERED,) if counted(d.splits) else ()) + (
+            (f"data.max_interactions: {d.max_interactions}: the source is cut to its first {d.max_interactions} "
+             "rows by position",) if d.max_interactions else ())
+        return UnitFacts(unit, gaps)
 
     def shard(self, model: RecsysModel, rank: int, world: int) -> Any:
         """``ShardedRecsys``: rank ``rank`` of ``world``'s row block of every table, the MLP rows replicated."""
