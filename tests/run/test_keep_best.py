@@ -36,3 +36,23 @@ train: {{epochs: 12, batch_size: 10, optimizer: adam, lr: 0.3, keep_best: true, 
     assert isinstance(splits["valid"], SplitTensors)
     v = evaluate(model, splits["valid"], batch_size=4096, max_samples=300)
     assert abs(v - best["valid_loss"]) < 1e-6
+
+
+def test_keep_best_with_dp_is_listed_as_not_covered(tmp_path):
+    """Choosing the released epoch by a non-private validation loss is outside ε: the statement says so."""
+    from widedp.accounting.statement import KEEP_BEST_NOT_COVERED
+
+    cfg = tmp_path / "c.yaml"
+    base = f"""
+{data_section(tmp_path, splits='[0.5, 0.25, 0.25]')}
+model: {{dim: 4, tied: false}}
+dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0, selection: {{name: all}}}}
+"""
+    for keep in (True, False):
+        cfg.write_text(base + f"train: {{epochs: 2, max_steps: 6, batch_size: 50, optimizer: sgd, lr: 0.1, "
+                              f"keep_best: {str(keep).lower()}, eval_max_samples: 50}}\n")
+        out = tmp_path / f"run{keep}"
+        assert main(["train", str(cfg), "--out", str(out), "--no-progress"]) == 0
+        privacy = json.loads((out / "summary.json").read_text())["privacy"]
+        assert (KEEP_BEST_NOT_COVERED in privacy["not_covered"]) == keep
+        assert ("keep_best" in privacy["text"]) == keep

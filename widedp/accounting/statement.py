@@ -94,6 +94,20 @@ def for_run(facts: UnitFacts, *, epsilon: float | None, delta: float | None, acc
                             reason="" if private_rng else NOT_PRIVATE, extra=extra or {}, includes=facts.includes)
 
 
+#: train.keep_best with DP: which epoch's weights are released is chosen by a non-private validation loss.
+KEEP_BEST_NOT_COVERED = ("train.keep_best: the epoch whose weights are kept is chosen by the loss on the validation "
+                         "split (private data, without DP)")
+
+
+def for_config(facts: UnitFacts, cfg: Any) -> UnitFacts:
+    """``facts`` of a task with what the run's own options add: the pre-selection (``with_preselect``) and
+    ``train.keep_best`` (a gap)."""
+    facts = with_preselect(facts, getattr(cfg, "dp", None))
+    if getattr(getattr(cfg, "train", None), "keep_best", False):
+        facts = replace(facts, not_covered=(*facts.not_covered, KEEP_BEST_NOT_COVERED))
+    return facts
+
+
 def with_preselect(facts: UnitFacts, dp: Any) -> UnitFacts:
     """``facts`` with the one-shot row pre-selection (``dp.preselect`` of the dp: section ``dp``, charged before the
     first step) among what ε includes; unchanged without one."""

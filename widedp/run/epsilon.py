@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from widedp import accounting
-from widedp.accounting.statement import for_run, with_preselect
+from widedp.accounting.statement import for_config, for_run
 from widedp.config import Config
 from widedp.dp import units
 from widedp.errors import ConfigError
@@ -46,7 +46,7 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
         rep["max_samples_per_unit"] = cfg.data.max_samples_per_unit
     if rb.prefix:
         _with_prefix(rep, cfg, plan, steps)
-    st = for_run(with_preselect(task.privacy(cfg), cfg.dp), epsilon=rep["epsilon"], delta=dp.delta,
+    st = for_run(for_config(task.privacy(cfg), cfg), epsilon=rep["epsilon"], delta=dp.delta,
                  accountant=dp.accountant, private_rng=dp.rng == "secure")
     return {"privacy": st.text} | rep
 

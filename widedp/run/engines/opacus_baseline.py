@@ -132,7 +132,7 @@ class OpacusEngine(PrivateEngine):
     def setup(self, built: Built, task: Task) -> None:
         cfg, tc = self.cfg, self.cfg.train
         parts = task.opacus(cfg, built)
-        self.facts = task.privacy(cfg)
+        self.facts = statement.for_config(task.privacy(cfg), cfg)
         self.module, self._sync = parts.module, parts.sync
         n, b = len(parts.dataset), tc.batch_size
         self._plan(num_rows=built.model.num_rows, n=n)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from widedp.accounting.statement import with_preselect
+from widedp.accounting.statement import for_config
 from widedp.config import Config
 from widedp.dp import rng, units
 from widedp.dp.sampling import PoissonSampler
@@ -43,7 +43,7 @@ class SparseDPEngine(PrivateEngine):
     def setup(self, built: Built, task: Task) -> None:
         cfg = self.cfg
         self.module = self._model = built.model
-        self.facts = with_preselect(task.privacy(cfg), cfg.dp)
+        self.facts = for_config(task.privacy(cfg), cfg)
         self._split = built.splits["train"]
         n = len(self._split)
         self.grouped = task.units(cfg, self._split, device=self.device)
