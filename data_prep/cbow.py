@@ -190,7 +190,7 @@ def sample_keys(
     """[n] uint64 record key of every sample (``widedp.data_prep.splits``), per ``cfg.privacy_unit``; ``words``
     [V] the vocabulary's word keys (``splits.word_keys``): content is keyed by words, not by vocabulary ids.
 
-    ``pair``: the sample's own content (target, context ids) and its count among equal samples. ``sentence`` /
+    ``pair``: the sample's own content (target and context words) and its count among equal samples. ``sentence`` /
     ``document``: the unit's content (its in-vocabulary tokens, sentence by sentence) and its count among equal
     units, then the sample's index within the unit in corpus order. Either way adding or removing one unit leaves
     every other unit's samples with the keys they had. Canary samples (units) are counted apart from clean ones.

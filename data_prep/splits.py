@@ -74,10 +74,10 @@ def as_words(col: np.ndarray) -> np.ndarray:
 
 def word_keys(words: Sequence[str]) -> np.ndarray:
     """[V] uint64 key of each vocabulary word, from the word itself (so records keyed through it do not depend on
-    the vocabulary's order or size). Checked distinct: equal keys then mean equal words."""
+    the vocabulary's order or size). Checked distinct and non-zero (0 pads): equal keys then mean equal words."""
     out = np.array([int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little") for w in words],
                    dtype=np.uint64)
-    if len(np.unique(out)) != len(out):  # pragma: no cover - a 64-bit collision among V words
+    if len(np.unique(out)) != len(out) or (out == 0).any():  # pragma: no cover - a 64-bit collision
         raise RuntimeError("two vocabulary words share a 64-bit key")
     return out
 
