@@ -340,3 +340,21 @@ def test_short_dp_run_on_cuda_learns_and_states_the_cpu_epsilon():
             F.cross_entropy(m2(x), t, reduction="none").sum().backward()
             opt2.step()
     assert cpu.steps == 60 and eng.epsilon() == pytest.approx(cpu.epsilon(), rel=1e-12)
+
+
+def test_fixed_sampling_rate_leaves_the_data_size_out_of_the_statement():
+    """PrivacyEngine(sampling_rate=q): q in every step's record, an epoch = round(1/q) steps, and the statement no
+    longer lists the data's size; without it q = b/len(dataset) and the size is listed."""
+    from widedp.accounting.statement import SIZE_NOT_COVERED
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, 11, (2,), generator=g), torch.tensor(1)) for _ in range(40)]
+    for q in (None, 0.2):
+        torch.manual_seed(3)
+        eng = engine(selection={"name": "uniform", "k": 3}, noise_multiplier=2.0, sampling_rate=q)
+        model = BagModel("sum")
+        model, opt, loader = eng.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                              DataLoader(data, batch_size=4, collate_fn=collate_pairs), epochs=2)
+        assert eng.sampling_rate == (0.1 if q is None else q)
+        assert eng.total_steps == 2 * (10 if q is None else 5)
+        assert (SIZE_NOT_COVERED in eng.statement().not_covered) == (q is None)

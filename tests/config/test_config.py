@@ -51,6 +51,8 @@ def test_round_trip_and_hash():
         ({"data": {"sample_shape": "tree"}}, "data.sample_shape: expected one of"),
         ({"data": {"corpus": "text:/no/such/file.txt"}}, "file not found: /no/such/file.txt"),
         ({"dp": {"selection": {"name": "magic"}}}, "dp.selection.name"),
+        ({"dp": {"sampling_rate": 1.5, "selection": {"name": "all"}}}, "dp.sampling_rate: must be in (0, 1]"),
+        ({"dp": {"sampling_rate": 0, "selection": {"name": "all"}}}, "dp.sampling_rate: must be in (0, 1]"),
         ({"dp": {"selection": {"name": "exponential"}}}, "exactly one of k or gamma"),
         ({"dp": {"selection": {"name": "uniform", "k": 3, "gamma": 0.1}}}, "exactly one of k or gamma"),
         ({"dp": {"selection": {"name": "exponential", "k": 1, "bogus": 1}}}, "dp.selection.bogus: unknown key"),

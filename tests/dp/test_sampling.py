@@ -209,8 +209,11 @@ def test_shuffled_batches_cover_each_epoch_once():
 TEXT = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(600))
 
 
-def test_dp_training_trains_on_poisson_batches(tmp_path, monkeypatch):
-    """widedp.run.train.train on a tiny CBOW: the batches per_sample_row_grads actually sees are Poisson(b/n)."""
+@pytest.mark.parametrize("fixed_q", [None, 0.03])
+def test_dp_training_trains_on_poisson_batches(tmp_path, monkeypatch, fixed_q):
+    """widedp.run.train.train on a tiny CBOW: the batches per_sample_row_grads actually sees are Poisson(q), q = b/n
+    or ``dp.sampling_rate`` (then an epoch is round(1/q) steps and the data's size leaves the statement)."""
+    from widedp.accounting.statement import SIZE_NOT_COVERED
     from widedp.config import load_config
     from widedp.models.cbow import CBOW
     from widedp.run.train import train
@@ -225,7 +228,8 @@ data: {{preset: custom, corpus: "text:{corpus}", vocab_size: 11, remove_stopword
        splits: [{n}, 50, 50], cache_dir: "{tmp_path / 'cache'}"}}
 model: {{dim: 4, tied: false}}
 train: {{epochs: {epochs}, batch_size: {b}, optimizer: sgd, lr: 0.01, log_every: 1000, eval_max_samples: 10}}
-dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0, rng: reproducible, selection: {{name: uniform, k: 2}}}}
+dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0, rng: reproducible, selection: {{name: uniform, k: 2}}
+    {'' if fixed_q is None else f', sampling_rate: {fixed_q}'}}}
 """)
     cfg = load_config(cfg_path)
     seen: list[np.ndarray] = []
@@ -245,5 +249,11 @@ dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0, rng: reproducible, selectio
     monkeypatch.setattr(CBOW, "per_sample_row_grads", per_sample_row_grads)
     summary = train(cfg, tmp_path / "run", progress=False)
     n = summary["n_train"]  # 1000 expected (the split is Binomial)
-    assert abs(n - 1000) < 150 and summary["steps"] == len(seen) == epochs * round(n / b)
-    assert poisson_violations(seen, n, b / n) == []
+    q = b / n if fixed_q is None else fixed_q
+    assert abs(n - 1000) < 150 and summary["steps"] == len(seen) == epochs * round(1 / q if fixed_q else n / b)
+    assert poisson_violations(seen, n, q) == []
+    assert (SIZE_NOT_COVERED in summary["privacy"]["not_covered"]) == (fixed_q is None)
+    from widedp import accounting
+
+    (step, _), = accounting.Ledger.from_json(summary["dp"]["ledger"]).runs
+    assert step.sampling_rate == q

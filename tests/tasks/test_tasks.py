@@ -45,7 +45,7 @@ def test_importing_the_tasks_imports_no_task():
 def test_statements_list_what_the_record_local_split_leaves_out():
     """The split is record-local (``widedp.data_prep.splits``), so it is covered; what is not: the data's size
     (q = b/N), split sizes given as counts (rates n/N) and positional cuts (max_sentences / max_interactions)."""
-    from widedp.accounting.statement import SIZE_NOT_COVERED, for_run
+    from widedp.accounting.statement import SIZE_NOT_COVERED, for_config, for_run
     from widedp.config import config_from_dict
     from widedp.tasks.cbow import COUNTED_SPLITS_NOT_COVERED, VOCAB_NOT_COVERED
     from widedp.tasks.recsys import COUNTED_SPLITS_NOT_COVERED as RECSYS_COUNTED
@@ -55,13 +55,16 @@ def test_statements_list_what_the_record_local_split_leaves_out():
     assert cbow.privacy(config_from_dict({"dp": dp})).not_covered == (VOCAB_NOT_COVERED,)  # paper: fractions
     counts = cbow.privacy(config_from_dict({"data": {"splits": [1000, 100, 100]}, "dp": dp}))
     assert counts.not_covered == (VOCAB_NOT_COVERED, COUNTED_SPLITS_NOT_COVERED)
-    fractions = cbow.privacy(config_from_dict({"data": {"splits": [0.5, 0.2, 0.2], "max_sentences": 50}, "dp": dp}))
+    cfg = config_from_dict({"data": {"splits": [0.5, 0.2, 0.2], "max_sentences": 50}, "dp": dp})
+    fractions = cbow.privacy(cfg)
     assert COUNTED_SPLITS_NOT_COVERED not in fractions.not_covered
     assert any("first 50 sentences by position" in g for g in fractions.not_covered)
-    stmt = for_run(fractions, epsilon=1.0, delta=1e-5, accountant="pld", private_rng=True)
+    stmt = for_run(for_config(fractions, cfg), epsilon=1.0, delta=1e-5, accountant="pld", private_rng=True)
     assert stmt.not_covered[-1] == SIZE_NOT_COVERED and "q = b/N" in stmt.text
+    fixed_q = config_from_dict({"data": {"splits": [0.5, 0.2, 0.2]}, "dp": {**dp, "sampling_rate": 0.01}})
+    assert for_config(cbow.privacy(fixed_q), fixed_q).not_covered == (VOCAB_NOT_COVERED,)
     rec = loop_task("recsys").privacy(config_from_dict({"task": "recsys", "dp": dp}))
-    assert rec.not_covered == ()  # synthetic, fractions: only the size, added by for_run
+    assert rec.not_covered == ()  # synthetic, fractions: only the size, added by for_config
     counted = loop_task("recsys").privacy(config_from_dict({"task": "recsys", "data": {"splits": [100, 10, 10]},
                                                             "dp": dp}))
     assert counted.not_covered == (RECSYS_COUNTED,)

@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-#: Every Poisson-sampled run: q = b / N uses the number N of training units, which add/remove changes by one.
+#: A Poisson-sampled run with q = b / N uses the number N of training units, which add/remove changes by one
+#: (``dp.sampling_rate`` fixes q in the config instead).
 SIZE_NOT_COVERED = ("the data's size (N training units, treated as public as Opacus does: it sets the sampling "
-                    "rate q = b/N)")
+                    "rate q = b/N; dp.sampling_rate fixes q instead)")
 
 #: ADJACENCY -> the words used in the statement.
 ADJACENCY = {"add_remove": "adding/removing", "replace": "replacing"}
@@ -90,7 +91,7 @@ def for_run(facts: UnitFacts, *, epsilon: float | None, delta: float | None, acc
     if epsilon is None:
         return PrivacyStatement(None, None, facts.unit, private=False, reason="trained without differential privacy")
     return PrivacyStatement(epsilon, delta, facts.unit, accountant=accountant.upper(),
-                            not_covered=(*facts.not_covered, SIZE_NOT_COVERED), private=private_rng,
+                            not_covered=facts.not_covered, private=private_rng,
                             reason="" if private_rng else NOT_PRIVATE, extra=extra or {}, includes=facts.includes)
 
 
@@ -100,12 +101,16 @@ KEEP_BEST_NOT_COVERED = ("train.keep_best: the epoch whose weights are kept is c
 
 
 def for_config(facts: UnitFacts, cfg: Any) -> UnitFacts:
-    """``facts`` of a task with what the run's own options add: the pre-selection (``with_preselect``) and
-    ``train.keep_best`` (a gap)."""
-    facts = with_preselect(facts, getattr(cfg, "dp", None))
+    """``facts`` of a task with what the run's own options add: the pre-selection (``with_preselect``), the data's
+    size (a gap unless ``dp.sampling_rate`` fixes q) and ``train.keep_best`` (a gap)."""
+    dp = getattr(cfg, "dp", None)
+    facts = with_preselect(facts, dp)
+    gaps = facts.not_covered
+    if dp is not None and getattr(dp, "sampling_rate", None) is None:
+        gaps = (*gaps, SIZE_NOT_COVERED)
     if getattr(getattr(cfg, "train", None), "keep_best", False):
-        facts = replace(facts, not_covered=(*facts.not_covered, KEEP_BEST_NOT_COVERED))
-    return facts
+        gaps = (*gaps, KEEP_BEST_NOT_COVERED)
+    return replace(facts, not_covered=gaps)
 
 
 def with_preselect(facts: UnitFacts, dp: Any) -> UnitFacts:

@@ -117,18 +117,21 @@ class PrivacyEngine:
         privacy_unit: what one item of your dataset is ("example", "user", ...): the ε protects one such item.
         secure_rng: False (tests, debugging) derives sampling, selection and noise from ``seed``: NOT private, and
             ``statement()`` says so.
+        sampling_rate: q, fixed here (an epoch = round(1/q) steps); None = batch_size / len(dataset), which uses the
+            data's size (the statement lists it as not covered).
     """
 
     def __init__(self, *, selection: SelectionConfig | dict[str, Any] | str, clip1: float, clip2: float | None = None,
                  noise_multiplier: float | None = None, target_epsilon: float | None = None, delta: float = 1e-5,
                  privacy_unit: str = "example", accountant: Literal["pld", "rdp"] = "pld", secure_rng: bool = True,
-                 seed: int = 0) -> None:
+                 seed: int = 0, sampling_rate: float | None = None) -> None:
         if noise_multiplier is None and target_epsilon is None:
             raise ConfigError("PrivacyEngine: give noise_multiplier, target_epsilon, or both")
         sigma = 1.0 if noise_multiplier is None else noise_multiplier  # 1.0: a placeholder until calibrated
         self._dp = DPConfig(clip1=clip1, clip2=clip2, noise_multiplier=sigma, delta=delta,
                             accountant=accountant, target_epsilon=target_epsilon,
-                            rng="secure" if secure_rng else "reproducible", selection=selection_config(selection))
+                            rng="secure" if secure_rng else "reproducible", selection=selection_config(selection),
+                            sampling_rate=sampling_rate)
         self._sigma_given = noise_multiplier is not None
         self.privacy_unit = privacy_unit
         self._seeds = rng.new_seeds(mode=self._dp.rng, seed=seed)
@@ -185,8 +188,8 @@ class PrivacyEngine:
         self._updater = Updater(self.layout, optimizer, table_optimizer)
         self._updater.clear_grads()  # gradients from before make_private are not this run's
         self.n, self.batch_size, self.epochs = n, b, epochs
-        self.sampling_rate = b / n
-        self.steps_per_epoch = budget.steps_per_epoch(b, n)
+        self.sampling_rate = budget.sampling_rate(self._dp, b, n)
+        self.steps_per_epoch = budget.steps_per_epoch(b, n, rate=self._dp.sampling_rate)
         self.total_steps = epochs * self.steps_per_epoch
         self._selector = make_selector(self._dp.selection, num_rows=self.layout.table_rows)
         dp = self._dp
@@ -292,7 +295,8 @@ class PrivacyEngine:
         reason = "" if self._seeds.private else ("secure_rng=False: sampling, selection and noise are derived from "
                                                   "the public seed given to PrivacyEngine")
         return PrivacyStatement(self.epsilon(), self._dp.delta, unit, accountant=self._dp.accountant.upper(),
-                                not_covered=(SIZE_NOT_COVERED,), private=self._seeds.private, reason=reason,
+                                not_covered=() if self._dp.sampling_rate is not None else (SIZE_NOT_COVERED,),
+                                private=self._seeds.private, reason=reason,
                                 extra={"noise_multiplier": self.noise_multiplier, "steps": self.steps,
                                        "sampling_rate": self.sampling_rate, "selection": self._dp.selection.name})
 
@@ -302,7 +306,8 @@ class PrivacyEngine:
         dp = self._dp
         return {"n": self.n, "batch_size": self.batch_size, "epochs": self.epochs, "num_rows": self.layout.num_rows,
                 "noise_multiplier": dp.noise_multiplier, "clip1": dp.clip1, "clip2": dp.clip2, "delta": dp.delta,
-                "accountant": dp.accountant, "selection": dataclasses.asdict(dp.selection)}
+                "accountant": dp.accountant, "selection": dataclasses.asdict(dp.selection),
+                "sampling_rate": dp.sampling_rate}
 
     def state_dict(self) -> dict[str, Any]:
         """Step, ledger (JSON), table optimizer state and the settings they belong to; no seed, no generator state

@@ -153,6 +153,9 @@ class DPConfig:
             charged once); every step's selection then ranges over the pre-selected rows only.
         engine: ``widedp`` (our step) | ``opacus`` (Opacus' PrivacyEngine on an equivalent nn.Embedding CBOW — the
             DP-SGD baseline; needs ``selection: {name: all}``).
+        sampling_rate: q of Poisson sampling, fixed in the config (an epoch is then round(1/q) steps); null (the
+            default) = b / N, which uses the number N of training units: the data's size, listed as not covered.
+            ``train.batch_size`` stays the noise's fixed denominator b (best near q·N).
     """
 
     clip1: float = 15.0
@@ -166,8 +169,11 @@ class DPConfig:
     selection: SelectionConfig = field(default_factory=ExponentialSelectionConfig)
     engine: Literal["widedp", "opacus"] = "widedp"
     preselect: PreselectConfig | None = None
+    sampling_rate: float | None = None
 
     def __post_init__(self) -> None:
+        if self.sampling_rate is not None and not 0 < self.sampling_rate <= 1:
+            raise ConfigError(f"dp.sampling_rate: must be in (0, 1], got {self.sampling_rate}")
         if self.engine == "opacus" and self.selection.name != "all":
             raise ConfigError(
                 f"dp.engine: opacus runs DP-SGD only (dp.selection.name: all), not {self.selection.name!r}"

@@ -40,7 +40,7 @@ PRESELECT_WIRED = True
 def step_spend(dp: DPConfig, *, num_rows: int, batch_size: int, n: int) -> StepSpend:
     """The StepSpend every step of this config emits: ``dp_step_spend`` of the selector ``make_selector`` builds over
     the model's R = ``num_rows`` rows (the record the step itself emits)."""
-    return dp_step_spend(make_selector(dp.selection, num_rows=num_rows), sampling_rate=batch_size / n,
+    return dp_step_spend(make_selector(dp.selection, num_rows=num_rows), sampling_rate=sampling_rate(dp, batch_size, n),
                          noise_multiplier=dp.noise_multiplier, clip1=dp.clip1, clip2=dp.clip2, batch_size=batch_size)
 
 
@@ -61,8 +61,14 @@ def preselect_runs(dp: DPConfig) -> list[tuple[StepSpend, int]]:
     return [(preselect_step(dp.preselect), 1)]
 
 
-def steps_per_epoch(batch_size: int, n: int) -> int:
-    return max(1, round(n / batch_size))
+def sampling_rate(dp: DPConfig, batch_size: int, n: int) -> float:
+    """q: ``dp.sampling_rate`` when the config fixes it, else b / n (n: the training units, i.e. the data's size)."""
+    return dp.sampling_rate if dp.sampling_rate is not None else batch_size / n
+
+
+def steps_per_epoch(batch_size: int, n: int, *, rate: float | None = None) -> int:
+    """Poisson steps per epoch: round(n / b), or round(1 / q) for a fixed sampling rate q."""
+    return max(1, round(1 / rate)) if rate is not None else max(1, round(n / batch_size))
 
 
 def calibrated(cfg: Config, *, num_rows: int, n: int) -> DPConfig:
@@ -103,7 +109,8 @@ def calibrated(cfg: Config, *, num_rows: int, n: int) -> DPConfig:
 
 def total_steps(cfg: Config, n: int) -> int:
     """Steps of the whole run: epochs x steps per epoch (n/b Poisson steps with DP), capped by train.max_steps."""
-    per_epoch = steps_per_epoch(cfg.train.batch_size, n) if cfg.dp is not None else -(-n // cfg.train.batch_size)
+    per_epoch = (steps_per_epoch(cfg.train.batch_size, n, rate=cfg.dp.sampling_rate) if cfg.dp is not None
+                 else -(-n // cfg.train.batch_size))
     t = cfg.train.epochs * per_epoch
     return min(t, cfg.train.max_steps) if cfg.train.max_steps else t
 

@@ -49,8 +49,9 @@ class PrivateEngine:
             self.ledger.add(p)
         self.plan = run_budget.plan(self.cfg, self.rb, num_rows=num_rows, n=n)
         self.dp, self.spend, self.cap = self.plan.dp, self.plan.spend, self.plan.cap
-        self.n_draw, self.sampling_rate = n, self.cfg.train.batch_size / n
-        self.per_epoch = budget.steps_per_epoch(self.cfg.train.batch_size, n)
+        b = self.cfg.train.batch_size
+        self.n_draw, self.sampling_rate = n, budget.sampling_rate(self.dp, b, n)
+        self.per_epoch = budget.steps_per_epoch(b, n, rate=self.dp.sampling_rate)
         self.total = budget.total_steps(self.cfg, n)
         self.noise_gen = rng.generator(self.seeds.noise, self.device)
 

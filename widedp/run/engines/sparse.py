@@ -69,11 +69,10 @@ class SparseDPEngine(PrivateEngine):
 
     def _make_sampler(self) -> Any:
         """The Poisson sampler of examples (or of units) seeded by ``self.seeds.sampling``."""
-        b, seed, n = self.cfg.train.batch_size, self.seeds.sampling, len(self._split)
+        q, seed, n = self.sampling_rate, self.seeds.sampling, len(self._split)
         if self.grouped is None:
-            return PoissonSampler(n, sampling_rate=b / n, seed=seed, device=self.device)
-        return units.UnitPoissonSampler(self.grouped, sampling_rate=b / self.grouped.num_units, seed=seed,
-                                        device=self.device)
+            return PoissonSampler(n, sampling_rate=q, seed=seed, device=self.device)
+        return units.UnitPoissonSampler(self.grouped, sampling_rate=q, seed=seed, device=self.device)
 
     def _reseed(self) -> None:
         super()._reseed()
