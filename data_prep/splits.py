@@ -111,8 +111,11 @@ def row_keys(columns: Sequence[np.ndarray], *, seed: int, purpose: str,
     ``group_only``: [n] columns that separate occurrence counts without entering the key (a canary flag: clean
     records count their copies among clean records only).
     """
-    cols = [c.reshape(len(c), -1) for c in map(np.asarray, columns)]
-    n = len(cols[0]) if cols else 0
+    arrays = [np.asarray(c) for c in columns]
+    n = len(arrays[0]) if arrays else 0
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
+    cols = [c.reshape(n, -1) for c in arrays]
     words = [as_words(c[:, j]) for c in cols for j in range(c.shape[1])]
     h = np.full(n, seed_key(seed, purpose), dtype=np.uint64)
     for w in words:
@@ -120,8 +123,8 @@ def row_keys(columns: Sequence[np.ndarray], *, seed: int, purpose: str,
     codes = [_codes(c[:, j]) for c in cols for j in range(c.shape[1])]
     codes += [_codes(g.reshape(len(g), -1)[:, j]) for g in map(np.asarray, group_only)
               for j in range(g.reshape(len(g), -1).shape[1])]
-    group = np.unique(np.stack(codes, axis=1), axis=0, return_inverse=True)[1].reshape(-1) if n else codes
-    return combine(h, occurrence(np.asarray(group)).astype(np.uint64))
+    group = np.unique(np.stack(codes, axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+    return combine(h, occurrence(group).astype(np.uint64))
 
 
 def blob_keys(blobs: Iterable[bytes], *, seed: int, purpose: str) -> np.ndarray:

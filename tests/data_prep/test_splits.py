@@ -38,6 +38,7 @@ def test_row_keys_depend_on_content_and_copy_index_only() -> None:
     k3 = row_keys([np.r_[1, a], np.r_[7, b]], seed=0, purpose="t")  # one more copy of (1, 7)
     assert len(collections.Counter(k3.tolist()) - collections.Counter(k.tolist())) == 1
     assert not np.array_equal(k, row_keys([a, b], seed=1, purpose="t"))
+    assert row_keys([np.zeros(0, np.int64), np.zeros((0, 3))], seed=0, purpose="t").shape == (0,)
     # strings by value, floats by value (-0.0 is 0.0)
     s = row_keys([np.array(["u1", "u2"], dtype=object), np.array([4.0, -0.0])], seed=0, purpose="t")
     t = row_keys([np.array(["u2", "u1"], dtype=object), np.array([0.0, 4.0])], seed=0, purpose="t")
