@@ -119,3 +119,22 @@ def test_reproducible_runs_repeat_and_secure_runs_do_not(tmp_path):
     s1, s2 = final_weights("s1"), final_weights("s2")  # secure by default
     assert any(not torch.equal(s1[k], s2[k]) for k in s1)
     assert any(not torch.equal(a[k], s1[k]) for k in a)
+
+
+def test_resume_refuses_a_different_training_split(tmp_path, capsys):
+    """A checkpoint records the training-set size; a resume whose prepared split differs (e.g. a checkpoint from
+    before the record-local split) is refused in one line instead of training on other data."""
+    from widedp.run.checkpoint import CHECKPOINT
+
+    cfg = _config(tmp_path, steps=20, ckpt_every=10)
+    out = tmp_path / "run"
+    assert main(["train", str(cfg), "--out", str(out), "--no-progress", "--set", "train.max_steps=10"]) == 0
+    state = torch.load(out / CHECKPOINT, weights_only=True)
+    n = state["n_train"]
+    for tamper, says in (({**state, "n_train": n + 1}, f"{n + 1:,} examples then, {n:,} now"),
+                         ({k: v for k, v in state.items() if k != "n_train"}, "predates widedp recording it")):
+        torch.save(tamper, out / CHECKPOINT)
+        capsys.readouterr()
+        assert main(["train", "--resume", str(out), "--no-progress"]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "training split is not the one this run trained on" in err[0] and says in err[0]

@@ -98,10 +98,18 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
     else:  # the task's files are rank 0's to write
         with tempfile.TemporaryDirectory(prefix="widedp-rank-") as scratch:
             built = task.build(cfg, Path(scratch), device=device, data=data, noise_seed=engine.prefix_seed)
+    n = len(built.splits["train"])
+    if ckpt is not None and ckpt.get("n_train") != n:
+        was = ckpt.get("n_train")
+        raise ConfigError(f"{out}: the training split is not the one this run trained on ("
+                          + (f"{was:,} examples then, {n:,} now" if was is not None else
+                             "its checkpoint predates widedp recording it; the CBOW and recommender splits changed "
+                             "with the record-local split")
+                          + "): start a new run (--overwrite)")
     engine.setup(built, task)
     if writer:
         task.warn(cfg)  # (after the setup, so that a config error stays one line)
-    splits, n = built.splits, len(built.splits["train"])
+    splits = built.splits
     step, history, elapsed = 0, [], 0.0
     best: dict[str, Any] = {}  # train.keep_best: epoch, valid_loss, model
     if ckpt is not None:
@@ -127,7 +135,7 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
         engine.save_private(step)  # private/ (and a sharded run's shards), before the checkpoint
         state = {"model": engine.module.state_dict(), "step": step, "history": history,
                  "elapsed": elapsed + time.perf_counter() - t0 - aside, "config_hash": cfg.hash(), "best": best,
-                 **engine.state_dict()}
+                 "n_train": n, **engine.state_dict()}
         if writer:
             save_checkpoint(out, state)
         engine.prune_private(step)
