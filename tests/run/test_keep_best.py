@@ -56,3 +56,4 @@ dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0, selection: {{name: all}}}}
         privacy = json.loads((out / "summary.json").read_text())["privacy"]
         assert (KEEP_BEST_NOT_COVERED in privacy["not_covered"]) == keep
         assert ("keep_best" in privacy["text"]) == keep
+

@@ -3,6 +3,7 @@ ledger, the spent-budget journal written ahead (``widedp.run.budget``) and the b
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,10 @@ class PrivateEngine:
         self.dp, self.spend, self.cap = self.plan.dp, self.plan.spend, self.plan.cap
         b = self.cfg.train.batch_size
         self.n_draw, self.sampling_rate = n, budget.sampling_rate(self.dp, b, n)
+        if self.is_writer and not 0.5 <= self.sampling_rate * n / b <= 2:  # a fixed q far from b/N: utility only
+            print(f"widedp: warning: dp.sampling_rate {self.sampling_rate:g} draws {self.sampling_rate * n:,.0f} "
+                  f"training units per step on average, but train.batch_size (the noise's denominator) is {b:,}",
+                  file=sys.stderr)
         self.per_epoch = budget.steps_per_epoch(b, n, rate=self.dp.sampling_rate)
         self.total = budget.total_steps(self.cfg, n)
         self.noise_gen = rng.generator(self.seeds.noise, self.device)
