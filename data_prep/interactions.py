@@ -24,9 +24,11 @@ per interaction (1, or ``tags_per_item``), so a batch's KeyedJaggedTensor is bui
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,13 +57,14 @@ class Interactions:
 @dataclass(frozen=True)
 class InteractionData:
     """cardinality: feature name -> number of ids (the table size), in table order; the three splits; ids: feature
-    name -> the raw id of each row (JSON values: ints or strings)."""
+    name -> the raw id of each row (JSON values: ints or strings), or ``{"hashed": B}`` for a hashed table
+    (``data.id_buckets``: row = ``id_bucket(raw id, B)``)."""
 
     cardinality: dict[str, int]
     train: Interactions
     valid: Interactions
     test: Interactions
-    ids: dict[str, list] | None = None
+    ids: dict[str, Any] | None = None
 
     @property
     def positive_rate(self) -> float:
@@ -108,7 +111,7 @@ def prepare_interactions(cfg: RecsysDataConfig) -> InteractionData:
             cols = read_hf(cfg.source[3:], cfg.columns, split=cfg.hf_split)
         if cfg.max_interactions:
             cols = {k: v[: cfg.max_interactions] for k, v in cols.items()}
-        card, feats, rating, ids = _encode(cols, time_feature=cfg.time_feature)
+        card, feats, rating, ids = _encode(cols, time_feature=cfg.time_feature, buckets=cfg.id_buckets)
         raw = cols
     label = (rating >= cfg.label_threshold).astype(np.float32)
     keys = interaction_keys(cfg, feats, rating, raw)
@@ -230,10 +233,24 @@ def _named(df, columns: tuple[str, ...], *, where: str) -> dict[str, np.ndarray]
     return out
 
 
-def _encode(cols: dict[str, np.ndarray], *, time_feature: bool
-            ) -> tuple[dict[str, int], dict[str, np.ndarray], np.ndarray, dict[str, list]]:
+def id_bucket(raw: object, buckets: int) -> int:
+    """The row of raw id ``raw`` in a table of ``buckets`` hashed rows (``data.id_buckets``): blake2b-64 of the id as
+    JSON writes it (``_json_ids``: 7.0 -> "7") mod ``buckets``. A function of the id alone."""
+    d = hashlib.blake2b(str(_json_ids(np.asarray([raw]))[0]).encode(), digest_size=8).digest()
+    return int.from_bytes(d, "little") % buckets
+
+
+def _encode(cols: dict[str, np.ndarray], *, time_feature: bool, buckets: int = 0
+            ) -> tuple[dict[str, int], dict[str, np.ndarray], np.ndarray, dict[str, Any]]:
     card, feats, ids = {}, {}, {}
     for f in ("user", "item"):
+        if buckets:
+            uniq, inv = np.unique(np.asarray(cols[f]).astype(str) if np.asarray(cols[f]).dtype == object
+                                  else cols[f], return_inverse=True)
+            rows = np.array([id_bucket(u, buckets) for u in uniq.tolist()], dtype=np.int64)
+            card[f], feats[f] = buckets, rows[inv.reshape(-1)].reshape(-1, 1)
+            ids[f] = {"hashed": buckets}
+            continue
         try:
             uniq, inv = np.unique(cols[f], return_inverse=True)
         except TypeError:  # mixed types (e.g. ints and strings in one HF column): number them as strings

@@ -189,3 +189,36 @@ def test_recsys_adding_an_interaction_or_a_user_changes_only_its_records(tmp_pat
         assert {r[:2] for r in rb - ra} <= {r[:2] for r in new}
     total_extra = sum(len(getattr(b, s)) - len(getattr(a, s)) for s in ("train", "valid", "test"))
     assert total_extra == len(new)
+
+
+def test_recsys_hashed_ids_make_the_encoded_records_local_too(tmp_path: Path) -> None:
+    """data.id_buckets: a raw id's row is a function of the id alone, so a new user or item renumbers nothing: the
+    other records keep their encoded features (not only their raw fields), and the tables have the fixed size B."""
+    from widedp.config import config_from_dict
+    from widedp.data_prep.interactions import id_bucket
+    from widedp.tasks import loop_task
+    from widedp.tasks.recsys import IDS_NOT_COVERED
+
+    rng = np.random.default_rng(5)
+    rows = [(int(u), int(i), int(r), int(t)) for u, i, r, t in zip(
+        rng.integers(1, 60, 2000), rng.integers(1, 80, 2000), rng.integers(1, 6, 2000), rng.integers(0, 10, 2000))]
+    bigger = rows[:700] + [(999, 5, 4, 3), (3, 1000, 5, 2)] + rows[700:]
+    kw = dict(splits=(0.6, 0.2, 0.2), cache_dir="", id_buckets=64)
+    a = prepare_interactions(RecsysDataConfig(source=_ratings(tmp_path / "a.dat", rows), **kw))
+    b = prepare_interactions(RecsysDataConfig(source=_ratings(tmp_path / "b.dat", bigger), **kw))
+    assert a.cardinality["user"] == a.cardinality["item"] == 64 and a.ids["user"] == {"hashed": 64}
+
+    def encoded(d, name):
+        s = getattr(d, name)
+        return collections.Counter(zip(s.features["user"][:, 0].tolist(), s.features["item"][:, 0].tolist(),
+                                       s.features["hour"][:, 0].tolist(), s.label.tolist()))
+
+    for name in ("train", "valid", "test"):
+        assert encoded(a, name) - encoded(b, name) == collections.Counter(), name
+    u = a.train.features["user"][:, 0]
+    assert ((u >= 0) & (u < 64)).all() and id_bucket(999, 64) == id_bucket(999.0, 64) == id_bucket("999", 64)
+    dp = {"clip1": 1.0, "noise_multiplier": 1.0, "selection": {"name": "all"}}
+    for buckets, listed in ((0, True), (64, False)):
+        cfg = config_from_dict({"task": "recsys", "data": {"source": f"ratings:{tmp_path / 'a.dat'}",
+                                                           "id_buckets": buckets}, "dp": dp})
+        assert (IDS_NOT_COVERED in loop_task("recsys").privacy(cfg).not_covered) == listed

@@ -159,3 +159,27 @@ def test_shipped_movielens_config_loads():
     cfg = load_config("configs/movielens_sparse_exp.yaml")
     assert cfg.data.source == "movielens100k" and cfg.dp is not None
     assert np.isclose(cfg.data.splits, (0.8, 0.1, 0.1)).all()
+
+
+def test_hashed_ids_and_a_fixed_rate_leave_nothing_uncovered(tmp_path, capsys):
+    """A ratings file with data.id_buckets and dp.sampling_rate: the tables have B rows whatever ids occur, ids.json
+    says how ids map to rows, and the statement lists nothing as not covered."""
+    rng = np.random.default_rng(0)
+    dat = tmp_path / "r.dat"
+    dat.write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in zip(
+        rng.integers(1, 40, 1500), rng.integers(1, 90, 1500), rng.integers(1, 6, 1500), rng.integers(0, 10**6, 1500))))
+    run, rel = tmp_path / "run", tmp_path / "rel"
+    sets = [f"data.source=ratings:{dat}", "data.id_buckets=32", f"data.cache_dir={tmp_path / 'c'}",
+            "data.preset=custom", "train.epochs=1", "train.batch_size=100", "dp.sampling_rate=0.08",
+            "dp.selection.k=20"]
+    argv = ["train", "configs/recsys_synthetic_sparse_exp.yaml", "--out", str(run), "--no-progress"]
+    assert main([*argv, *[x for s in sets for x in ("--set", s)]]) == 0
+    capsys.readouterr()
+    privacy = json.loads((run / "summary.json").read_text())["privacy"]
+    assert privacy["not_covered"] == [] and "not covered" not in privacy["text"]
+    assert main(["export", str(run), "--format", "torch", "--out", str(rel)]) == 0
+    ids = json.loads((rel / "ids.json").read_text())
+    state = torch.load(rel / "model.pt", weights_only=True)
+    assert ids["ids"]["user"] == ids["ids"]["item"] == {"hashed": 32} and len(ids["ids"]["hour"]) == 24
+    rows = [state[f"ebc.embedding_bags.t_{f}.weight"].shape[0] for f in ("user", "item")]
+    assert rows == [32, 32]

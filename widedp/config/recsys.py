@@ -54,6 +54,10 @@ class RecsysDataConfig:
         tags_per_item, num_tags: synthetic multi-valued feature ``tags``: each item has ``tags_per_item`` tags
             drawn with replacement (duplicates inside a bag happen on purpose); 0 = no tag feature.
         time_feature: ratings / HF sources: an ``hour`` feature (24 values) from the timestamp.
+        id_buckets: ratings / HF sources: 0 (default) = one row per distinct raw user / item id, numbered by sorted
+            raw id (the table sizes and the numbering come from the data: every statement lists them as not
+            covered); B > 0 = the hashing trick: a raw id's row is blake2b(id) mod B in a table of B rows, so nothing
+            about which ids occur enters the model (distinct ids may share a row).
         label_threshold: label = 1 if rating >= threshold else 0 (synthetic ratings are 1..5 as well).
         splits: train / valid / test: fractions summing to <= 1, or expected counts (rate n / N over the N
             interactions). Record-local: each interaction's split comes from a key of its own raw fields
@@ -83,6 +87,7 @@ class RecsysDataConfig:
     tags_per_item: int = 2
     num_tags: int = 50
     time_feature: bool = True
+    id_buckets: int = 0
     # labels, splits, caching, privacy unit
     label_threshold: float = 4.0
     splits: tuple[float, ...] = (0.8, 0.1, 0.1)
@@ -96,7 +101,7 @@ class RecsysDataConfig:
         for key in ("max_samples_per_unit", "num_users", "num_items", "num_interactions", "latent_dim",
                     "context_cardinality", "num_tags"):
             positive(f"data.{key}", getattr(self, key))
-        for key in ("num_context_features", "tags_per_item", "max_interactions", "popularity_exponent"):
+        for key in ("num_context_features", "tags_per_item", "max_interactions", "popularity_exponent", "id_buckets"):
             nonneg(f"data.{key}", getattr(self, key))
         check_splits(self.splits)
         if any(not c for c in self.columns[:3]):
@@ -117,8 +122,9 @@ class RecsysDataConfig:
 
     @staticmethod
     def hash_view(d: dict[str, Any]) -> dict[str, Any]:
-        """``d`` without the unit keys left at their defaults (runs recorded before them keep their hash)."""
-        defaults = {"privacy_unit": "interaction", "max_samples_per_unit": 256}
+        """``d`` without the unit keys and id_buckets left at their defaults (runs recorded before them keep their
+        hash)."""
+        defaults = {"privacy_unit": "interaction", "max_samples_per_unit": 256, "id_buckets": 0}
         return {k: v for k, v in d.items() if not (k in defaults and v == defaults[k])}
 
 

@@ -35,7 +35,8 @@ from widedp.run.checkpoint import write_json
 from widedp.tasks.base import LoopTask
 from widedp.tasks.protocol import Built
 
-IDS_NOT_COVERED = "the embedding-table sizes and id -> row numbering (computed from the data's distinct ids)"
+IDS_NOT_COVERED = ("the embedding-table sizes and id -> row numbering (computed from the data's distinct ids; "
+                   "data.id_buckets hashes ids into fixed tables instead)")
 COUNTED_SPLITS_NOT_COVERED = ("data.splits given as counts: each split's rate n/N uses the number of "
                               "interactions N (fractions do not)")
 
@@ -55,10 +56,13 @@ IDS_FORMAT = "widedp.ids/1"
 
 
 def ids_document(data: InteractionData) -> dict[str, Any]:
-    """``ids.json``: for every table (feature, in table order) the raw id of each row."""
+    """``ids.json``: for every table (feature, in table order) the raw id of each row, or ``{"hashed": B}`` for a
+    hashed table (``data.id_buckets``)."""
     return {"format": IDS_FORMAT, "features": list(data.cardinality),
             "ids": {f: data.ids[f] for f in data.cardinality},
-            "note": "row r of table t_<feature> in model.pt is raw id ids[feature][r]"}
+            "note": "row r of table t_<feature> in model.pt is raw id ids[feature][r]; a table given as {hashed: B} "
+                    "holds raw id x in row int.from_bytes(blake2b(str(x).encode(), digest_size=8).digest(), "
+                    "'little') % B (an integral float id x written as int)"}
 
 
 class RecsysTask(LoopTask):
@@ -94,7 +98,7 @@ class RecsysTask(LoopTask):
         unit = ("interaction (one user-item example)" if units.is_per_sample(cfg)
                 else units.unit_name(cfg, "interactions"))
         d = cfg.data
-        gaps = (() if d.source == "synthetic" else (IDS_NOT_COVERED,)) + (
+        gaps = (() if d.source == "synthetic" or d.id_buckets else (IDS_NOT_COVERED,)) + (
             (COUNTED_SPLITS_NOT_COVERED,) if counted(d.splits) else ()) + (
             (f"data.max_interactions: {d.max_interactions}: the source is cut to its first {d.max_interactions} "
              "rows by position",) if d.max_interactions else ())
