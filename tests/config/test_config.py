@@ -31,6 +31,16 @@ def test_round_trip_and_hash():
     again = config_from_dict(cfg.to_dict())
     assert again == cfg and again.hash() == cfg.hash()
     assert Config().hash() != cfg.hash()
+    # keys added later hash only when set, so runs recorded before them keep their hash
+    import hashlib
+    import json
+
+    d = cfg.to_dict()
+    d["data"] = type(cfg.data).hash_view(d["data"])
+    del d["dp"]["sampling_rate"]
+    assert cfg.hash() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+    fixed = config_from_dict({**cfg.to_dict(), "dp": {**cfg.to_dict()["dp"], "sampling_rate": 0.01}})
+    assert fixed.hash() != cfg.hash()
 
 
 @pytest.mark.parametrize(

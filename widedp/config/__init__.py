@@ -231,6 +231,8 @@ class Config:
         pre = (d.get("dp") or {}).get("preselect")
         if pre is not None and pre.get("table_rows") is None:  # (added later: hashes only when set)
             del pre["table_rows"]
+        if d.get("dp") is not None and d["dp"].get("sampling_rate") is None:  # (added later: hashes only when set)
+            d["dp"].pop("sampling_rate", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
