@@ -9,7 +9,7 @@ training split says nothing about the dataset. Here the map dataset -> training 
 guarantee of the DP training carries over to the dataset. The seed need not be secret (the argument holds for any
 fixed function); it is ``data.seed``.
 
-    record r       content c(r) (exact: a pair's ids, a sentence's tokens, an interaction's raw fields)
+    record r       content c(r) (exact: a pair's words, a sentence's words, an interaction's raw fields)
                    k(r) = the number of records with the same content before r
     key(r)       = H(seed, c(r), k(r))                 uint64 (blake2b / splitmix64)
     u(r)         = key(r) / 2^64 in [0, 1)             train if u < f_train, valid if u < f_train + f_valid,
