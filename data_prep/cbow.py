@@ -201,14 +201,16 @@ def sample_keys(
                                    group_only=[sample_canary])
     unit_of_token = sent if cfg.privacy_unit == "sentence" else doc
     bounds = np.flatnonzero(np.r_[True, unit_of_token[1:] != unit_of_token[:-1]]) if len(tokens) else np.zeros(0, int)
-    ends = np.r_[bounds[1:], len(tokens)]
-    blobs = []
-    for a, b in zip(bounds.tolist(), ends.tolist()):
-        # sentence boundaries inside a document are content too: each sentence as (length, tokens)
-        cut = np.flatnonzero(np.r_[True, sent[a + 1:b] != sent[a:b - 1]]) + a
-        parts = [np.r_[np.uint64(e - s_), w[tokens[s_:e]]].astype("<u8").tobytes()
-                 for s_, e in zip(cut, np.r_[cut[1:], b])]
-        blobs.append((b"canary:" if is_canary[a:b].any() else b"") + b"".join(parts))
+    # The content of a unit: each of its sentences as (length, word keys...), uint64 little-endian. One stream for
+    # the corpus, sliced per unit (sentence boundaries inside a document are content too).
+    sent_starts = np.flatnonzero(np.r_[True, sent[1:] != sent[:-1]]) if len(tokens) else np.zeros(0, int)
+    lengths = np.diff(np.r_[sent_starts, len(tokens)]).astype(np.uint64)
+    stream = np.insert(w[tokens], sent_starts, lengths).astype("<u8").tobytes()
+    edges = np.r_[bounds, len(tokens)]
+    at = 8 * (edges + np.searchsorted(sent_starts, edges, side="left"))  # byte offsets: markers before a position
+    canary = np.add.reduceat(is_canary.astype(np.int64), bounds) > 0 if len(bounds) else np.zeros(0, bool)
+    blobs = ((b"canary:" if c else b"") + stream[p:q] for p, q, c in zip(at[:-1].tolist(), at[1:].tolist(),
+                                                                         canary.tolist()))
     unit_keys = splits_mod.blob_keys(blobs, seed=cfg.seed, purpose=f"cbow-{cfg.privacy_unit}")
     u = np.searchsorted(bounds, t_pos, side="right") - 1  # the unit of each sample's target
     rank = np.empty(len(u), dtype=np.int64)
