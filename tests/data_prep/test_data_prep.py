@@ -27,7 +27,7 @@ from scipy import stats
 from widedp.config import DATA_PRESETS, DataConfig
 from widedp.data_prep import corpus
 from widedp.data_prep.cbow import prepare_cbow
-from widedp.data_prep.samples import draw_negatives, draw_negatives_keyed
+from widedp.data_prep.samples import draw_negatives_keyed
 from widedp.data_prep.splits import row_keys, split_rates
 from widedp.errors import ConfigError
 
@@ -103,26 +103,6 @@ def test_max_sentences(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- negatives
-
-
-def test_negatives_follow_unigram_075_and_avoid_target() -> None:
-    counts = np.array([4096, 512, 64, 8, 1])
-    rng = np.random.default_rng(0)
-    target = np.repeat([0, 2], 10_000)
-    neg = draw_negatives(target, counts, 8, rng)
-    assert neg.shape == (20_000, 8) and neg.dtype == np.int64
-    assert not (neg == target[:, None]).any()
-    for t in (0, 2):
-        obs = np.bincount(neg[target == t].ravel(), minlength=5)
-        assert obs[t] == 0
-        others = np.arange(5) != t
-
-        def pvalue(power: float, obs: np.ndarray = obs, others: np.ndarray = others) -> float:
-            q = counts[others] ** power
-            return stats.chisquare(obs[others], q / q.sum() * obs[others].sum()).pvalue
-
-        assert pvalue(0.75) > 1e-3
-        assert pvalue(1.0) < 1e-12  # negative control: plain unigram is rejected
 
 
 def test_keyed_negatives_follow_unigram_075_and_depend_on_their_key_only() -> None:
