@@ -213,11 +213,9 @@ def sample_keys(
                                                                          canary.tolist()))
     unit_keys = splits_mod.blob_keys(blobs, seed=cfg.seed, purpose=f"cbow-{cfg.privacy_unit}")
     u = np.searchsorted(bounds, t_pos, side="right") - 1  # the unit of each sample's target
+    by_order = np.argsort(order, kind="stable")  # corpus order: a sample's index within its unit counts in it
     rank = np.empty(len(u), dtype=np.int64)
-    by = np.lexsort((order, u))
-    su = u[by]
-    starts = np.flatnonzero(np.r_[True, su[1:] != su[:-1]]) if len(su) else np.zeros(0, int)
-    rank[by] = np.arange(len(su)) - np.repeat(starts, np.diff(np.r_[starts, len(su)]))
+    rank[by_order] = splits_mod.occurrence(u[by_order])
     return splits_mod.combine(unit_keys[u], rank.astype(np.uint64))
 
 

@@ -24,7 +24,6 @@ per interaction (1, or ``tags_per_item``), so a batch's KeyedJaggedTensor is bui
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,8 +235,7 @@ def _named(df, columns: tuple[str, ...], *, where: str) -> dict[str, np.ndarray]
 def id_bucket(raw: object, buckets: int) -> int:
     """The row of raw id ``raw`` in a table of ``buckets`` hashed rows (``data.id_buckets``): blake2b-64 of the id as
     JSON writes it (``_json_ids``: 7.0 -> "7") mod ``buckets``. A function of the id alone."""
-    d = hashlib.blake2b(str(_json_ids(np.asarray([raw]))[0]).encode(), digest_size=8).digest()
-    return int.from_bytes(d, "little") % buckets
+    return splits_mod.hash64(str(_json_ids(np.asarray([raw]))[0]).encode()) % buckets
 
 
 def _encode(cols: dict[str, np.ndarray], *, time_feature: bool, buckets: int = 0
@@ -245,8 +243,8 @@ def _encode(cols: dict[str, np.ndarray], *, time_feature: bool, buckets: int = 0
     card, feats, ids = {}, {}, {}
     for f in ("user", "item"):
         if buckets:
-            uniq, inv = np.unique(np.asarray(cols[f]).astype(str) if np.asarray(cols[f]).dtype == object
-                                  else cols[f], return_inverse=True)
+            col = np.asarray(cols[f])
+            uniq, inv = np.unique(col.astype(str) if col.dtype == object else col, return_inverse=True)
             rows = np.array([id_bucket(u, buckets) for u in uniq.tolist()], dtype=np.int64)
             card[f], feats[f] = buckets, rows[inv.reshape(-1)].reshape(-1, 1)
             ids[f] = {"hashed": buckets}

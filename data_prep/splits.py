@@ -51,10 +51,14 @@ def combine(h: np.ndarray, x: np.ndarray) -> np.ndarray:
     return mix(np.asarray(h, dtype=np.uint64) ^ mix(x))
 
 
+def hash64(data: bytes) -> int:
+    """blake2b-64 of ``data`` as an int (little-endian): the hash of every byte content keyed here."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
 def seed_key(seed: int, purpose: str) -> np.uint64:
     """A 64-bit key for ``purpose`` (e.g. "cbow-split") from ``data.seed``."""
-    d = hashlib.blake2b(f"widedp/{purpose}/{int(seed)}".encode(), digest_size=8).digest()
-    return np.uint64(int.from_bytes(d, "little"))
+    return np.uint64(hash64(f"widedp/{purpose}/{int(seed)}".encode()))
 
 
 def as_words(col: np.ndarray) -> np.ndarray:
@@ -67,16 +71,14 @@ def as_words(col: np.ndarray) -> np.ndarray:
         f = a.astype(np.float64) + 0.0  # -0.0 -> 0.0
         return f.view(np.uint64)
     uniq, inv = np.unique(a.astype(str), return_inverse=True)
-    words = np.array([int.from_bytes(hashlib.blake2b(repr(v).encode(), digest_size=8).digest(), "little")
-                      for v in uniq.tolist()], dtype=np.uint64)
+    words = np.array([hash64(repr(v).encode()) for v in uniq.tolist()], dtype=np.uint64)
     return words[inv.reshape(-1)]
 
 
 def word_keys(words: Sequence[str]) -> np.ndarray:
     """[V] uint64 key of each vocabulary word, from the word itself (so records keyed through it do not depend on
     the vocabulary's order or size). Checked distinct and non-zero (0 pads): equal keys then mean equal words."""
-    out = np.array([int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little") for w in words],
-                   dtype=np.uint64)
+    out = np.array([hash64(w.encode()) for w in words], dtype=np.uint64)
     if len(np.unique(out)) != len(out) or (out == 0).any():  # pragma: no cover - a 64-bit collision
         raise RuntimeError("two vocabulary words share a 64-bit key")
     return out
@@ -136,8 +138,7 @@ def blob_keys(blobs: Iterable[bytes], *, seed: int, purpose: str) -> np.ndarray:
     for b in blobs:
         k = seen.get(b, 0)
         seen[b] = k + 1
-        d = hashlib.blake2b(prefix + k.to_bytes(8, "little") + b, digest_size=8).digest()
-        out.append(int.from_bytes(d, "little"))
+        out.append(hash64(prefix + k.to_bytes(8, "little") + b))
     return np.array(out, dtype=np.uint64)
 
 
@@ -151,7 +152,7 @@ def split_rates(splits: Sequence[float], total: int, *, what: str = "samples") -
     an expected count n, the rate n / ``total``."""
     rates = []
     for s in splits:
-        if isinstance(s, float) and s <= 1:
+        if _is_fraction(s):
             rates.append(float(s))
         elif float(s) != int(s):
             raise ConfigError(f"data.splits: {s} is neither a fraction <= 1 nor a whole number of samples")
@@ -166,9 +167,13 @@ def split_rates(splits: Sequence[float], total: int, *, what: str = "samples") -
     return rates[0], rates[1], rates[2]
 
 
+def _is_fraction(s: float) -> bool:
+    return isinstance(s, float) and s <= 1
+
+
 def counted(splits: Sequence[float]) -> bool:
     """Whether any size of ``data.splits`` is a count (its rate then depends on the data's size)."""
-    return any(not (isinstance(s, float) and s <= 1) for s in splits)
+    return not all(map(_is_fraction, splits))
 
 
 def assign(keys: np.ndarray, rates: tuple[float, float, float]) -> np.ndarray:
