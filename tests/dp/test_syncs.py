@@ -9,7 +9,7 @@ from widedp.dp import selection as sel_mod
 from widedp.dp.optim import LazyAdam
 from widedp.dp.selection import make_selector, sample_distinct
 from widedp.dp.step import dp_step
-from widedp.dp.syncs import HostSyncs
+from widedp.dp.syncs import HostSyncs, to_device
 from widedp.models.cbow import CBOW, CBOWBatch
 
 X = torch.arange(10)
@@ -25,6 +25,8 @@ X = torch.arange(10)
     lambda: torch.bincount(X),
     lambda: torch.repeat_interleave(X, X),
     lambda: X.cpu(),
+    lambda: torch.tensor([1, 2], device=X.device),  # a blocking copy from the host
+    lambda: torch.as_tensor([1.0], device=X.device),
 ])
 def test_counts_each_sync_once(op):
     with HostSyncs() as s:
@@ -40,6 +42,9 @@ def test_sync_free_ops_count_nothing():
         torch.repeat_interleave(X, X, output_size=45)
         torch.randint(10, (5,), generator=gen).cumsum(0)
         X.to(X.device)
+        torch.full((1,), 2.0, device=X.device)
+        to_device(torch.tensor([1, 2]), X.device)  # staged and copied without a wait
+        torch.as_tensor(X, device=X.device)
     assert s.total == 0, dict(s.by_op)
 
 

@@ -3,9 +3,11 @@
 On CUDA the host waits for the device whenever a result's size or value is needed in Python: a scalar read
 (``.item()``, ``int(t)``, ``bool(t)``), an op whose output shape depends on the data (``torch.unique``, ``nonzero``,
 boolean-mask indexing, ``masked_select``, ``bincount``, ``repeat_interleave`` without ``output_size``), or a copy to
-the host (``.tolist()``, ``.numpy()``, ``.cpu()``). ``HostSyncs`` counts the first two kinds as aten calls are
-dispatched and the copies as tensor methods are called, so the same count comes out on a CPU (where nothing waits):
-a CPU-side proxy of ``torch.cuda.set_sync_debug_mode``. It does not see syncs inside native kernels.
+the host (``.tolist()``, ``.numpy()``, ``.cpu()``). A blocking copy from the host waits too
+(``torch.tensor(data, device=...)``; ``to_device`` below copies without waiting). ``HostSyncs`` counts the first two
+kinds as aten calls are dispatched and the copies as functions and tensor methods are called, so the same count comes
+out on a CPU (where nothing waits): a CPU-side proxy of ``torch.cuda.set_sync_debug_mode``. It does not see syncs
+inside native kernels, nor a host tensor's ``.to(device)`` (on a CPU there is no copy to see).
 
     with HostSyncs() as syncs:
         dp_step(...)
@@ -65,10 +67,24 @@ class HostSyncs:
             m.__exit__(*exc)
 
 
-def _to_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device`` without the host waiting for the device: on CUDA, staged through pinned
+    memory and copied asynchronously (the caching host allocator keeps the staging buffer until the copy is done)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+#: factories that copy Python data to their ``device=`` (on CUDA: a blocking copy from the host)
+FROM_HOST = frozenset({"tensor", "as_tensor"})
+
+
+def _copies(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     name = getattr(func, "__name__", "")
     if name in HOST_COPIES:
         return True
+    if name in FROM_HOST:
+        return kwargs.get("device") is not None and not (args and isinstance(args[0], torch.Tensor))
     if name != "to" or not isinstance(args[0], torch.Tensor) or args[0].device.type == "cpu":
         return False  # (a CPU tensor's .to(its own device) is no copy)
     return any(a == "cpu" or (isinstance(a, torch.device) and a.type == "cpu")
@@ -86,7 +102,7 @@ class _Counting:
 class _Copies(_Counting, TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not _to_host(func, args, kwargs):
+        if not _copies(func, args, kwargs):
             return func(*args, **kwargs)
         self.counter.by_op[func.__name__] += 1
         self.counter.reading += 1

@@ -35,8 +35,9 @@ def tail_probability(threshold: float, std: float) -> float:
 def _binomial(n: int, p: float, *, generator: torch.Generator, device: torch.device) -> Tensor:
     """[1] float64 Binomial(n, p) draw on ``device`` (``n`` may exceed 2^53 only at the cost of float rounding)."""
     f64 = torch.float64
-    return torch.binomial(torch.tensor([float(n)], dtype=f64, device=device),
-                          torch.tensor([min(p, 1.0)], dtype=f64, device=device), generator=generator)
+    # torch.full, not torch.tensor([...], device=): a fill kernel, where a copy from the host would make it wait
+    return torch.binomial(torch.full((1,), float(n), dtype=f64, device=device),
+                          torch.full((1,), min(p, 1.0), dtype=f64, device=device), generator=generator)
 
 
 def false_positives(num_untouched: int, p: float, num_rows: int, *, exclude: Tensor, generator: torch.Generator,

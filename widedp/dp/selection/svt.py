@@ -30,6 +30,7 @@ from torch import Tensor
 from widedp.dp.noise import laplace
 from widedp.dp.selection.base import ScoreKind, SelectionContext, dense_scores, sample_distinct
 from widedp.dp.spend import SparseVectorSpend, Spend
+from widedp.dp.syncs import to_device
 
 
 def laplace_tail(t: float, scale: float) -> float:
@@ -102,11 +103,12 @@ def svt_sparse(touched: Tensor, scores: Tensor, thresholds: Tensor, *, num_rows:
             picks.append(-1)
             p = x_untouched + 1
         i = int(np.searchsorted(tpos, p, side="left"))
-    out = torch.tensor(picks, dtype=torch.long, device=dev)
     untouched = [j for j, x in enumerate(picks) if x < 0]
+    both = to_device(torch.tensor(picks + untouched, dtype=torch.long), dev)  # one copy back, without a wait
+    out, at = both[:len(picks)], both[len(picks):]
     if untouched:
         ids = sample_distinct(len(untouched), num_rows, exclude=touched, generator=generator, device=dev)
-        out.index_copy_(0, torch.tensor(untouched, dtype=torch.long, device=dev), ids)
+        out.index_copy_(0, at, ids)
     return out
 
 
