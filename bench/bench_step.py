@@ -167,7 +167,9 @@ def one_vocab_case(vocab: int, method: str, dim: int, batch: int, k: int, steps:
 
     g = torch.Generator().manual_seed(0)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    model = CBOW(vocab, dim, sparse=True, generator=g).to(device)
+    # The tables are created and initialised on the device (a CPU init of a 1e7 x 128 table takes seconds per case).
+    with torch.device(device):
+        model = CBOW(vocab, dim, sparse=True, generator=torch.Generator(device=device).manual_seed(0))
     table_bytes = vocab * dim * 4
     # Zipf-like ids: heavy head, long tail, like words / items.
     ranks = torch.arange(1, vocab + 1, dtype=torch.float64)

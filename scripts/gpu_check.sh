@@ -3,9 +3,12 @@
 # ../.library/device/README.md in the workplace, or any CUDA machine with Python 3.12 and a CUDA torch + Triton).
 #
 #   scripts/gpu_check.sh prepare   # HERE (network): wheels the GPU image lacks -> .gpu/whl, Brown -> .gpu/nltk_data
-#   scripts/gpu_check.sh tests     # THERE: install into /tmp/site, then the CUDA / Triton tests       (~2-3 min)
-#   scripts/gpu_check.sh bench     # THERE: bench_step on CUDA, V = 1e5, 1e6, 1e7, b = 1024 and 8192  (~6-8 min)
-#   scripts/gpu_check.sh train     # THERE: the default job (DP-sparse CBOW on Brown) on CUDA, capped at 4 min
+#   scripts/gpu_check.sh tests     # THERE: install into /tmp/site, then the CUDA / Triton tests (H200: ~1 min)
+#   scripts/gpu_check.sh bench     # THERE: bench_step on CUDA, V = 1e5, 1e6, 1e7, b = 1024 and 8192 (~4-5 min)
+#   scripts/gpu_check.sh train     # THERE: the default job (DP-sparse CBOW on Brown) on CUDA (H200: 24 s)
+#   scripts/gpu_check.sh all       # THERE: the three in one go, each capped (1.5 + 1.5 + 2 x 3 min)
+#
+# Run `prepare` again after every change: it builds the widedp wheel that THERE installs.
 #
 # Each THERE step writes its log and JSON under $OUT (default .gpu/out) and carries on past a failing part. Carry
 # `.gpu` with the working tree. The GPU image has its own torch (not widedp's pin); torchrec needs an fbgemm-gpu built
@@ -17,14 +20,40 @@ PY=${PY:-python3}
 
 install() {
   mkdir -p "$OUT"
+  # widedp travels as a wheel built here by `prepare`: the image's setuptools may be older than the >=77 that
+  # pyproject.toml's license field needs, and nothing can be fetched there.
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
     || exit 1
-  export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 NLTK_DATA=$PWD/.gpu/nltk_data HF_DATASETS_OFFLINE=1
+  # PYTHONSAFEPATH: `python -m` would otherwise put the checkout first on sys.path, and its widedp/ lacks the
+  # widedp.models / data_prep / eval subpackages that the installed wheel maps in (package-dir).
+  export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 NLTK_DATA=$PWD/.gpu/nltk_data HF_DATASETS_OFFLINE=1
   export WIDEDP_NATIVE_DIR=/tmp/widedp-native
-  "$PY" -m pip install -q --no-deps --no-build-isolation --target /tmp/site . || exit 1
-  "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton",
-triton.__version__, torch.cuda.get_device_name(0))' | tee "$OUT/versions.txt"
+  "$PY" -c 'import torch, triton, widedp; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton",
+triton.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA", "widedp from", widedp.__file__)' | tee "$OUT/versions.txt"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/versions.txt"
   "$PY" -m widedp.native || true  # the C++ kernels (CPU side of the same tests)
+}
+
+run_tests() {  # $1: seconds
+  timeout "${1:-600}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --tb=short -rfE \
+    tests/native/test_gpu.py tests/native/test_native.py \
+    tests/dp/test_step_cuda.py tests/dp/test_optim.py tests/dp/test_syncs.py tests/models/test_cbow.py \
+    "tests/api/test_api_engine.py::test_short_dp_run_on_cuda_learns_and_states_the_cpu_epsilon" -k "not recsys" \
+    2>&1 | tee "$OUT/tests.log"
+}
+
+run_bench() {  # $1: seconds per batch size
+  for b in 1024 8192; do
+    timeout "${1:-280}" "$PY" bench/bench_step.py --part vocab --device cuda --vocab 1e5 1e6 1e7 --batch "$b" \
+      --vocab-steps 20 2>&1 | tee "$OUT/bench_b$b.log"
+    cp bench/out/bench_step_cuda_b"$b".json "$OUT/" 2>/dev/null || true
+  done
+}
+
+run_train() {  # $1: seconds
+  timeout "${1:-240}" "$PY" -m widedp train configs/brown_cbow_sparse_exp.yaml --set train.device=cuda \
+    --out /tmp/run-cuda --no-progress 2>&1 | tee "$OUT/train.log"
+  cp /tmp/run-cuda/summary.json "$OUT/train_summary.json" 2>/dev/null || true
 }
 
 case "${1:-}" in
@@ -37,31 +66,29 @@ prepare)
       --platform manylinux2014_x86_64 --platform any -d .gpu/whl "$spec" || exit 1
   done
   rm -rf .gpu/nltk_data && cp -r ../shared/nltk_data .gpu/nltk_data
+  rm -rf build .gpu/whl/widedp-*.whl && "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .gpu/whl . || exit 1
   du -sh .gpu
   ;;
 tests)
   install
-  "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/native/test_gpu.py tests/native/test_native.py \
-    tests/dp/test_step_cuda.py tests/dp/test_optim.py tests/dp/test_syncs.py tests/models/test_cbow.py \
-    "tests/api/test_api_engine.py::test_short_dp_run_on_cuda_learns_and_states_the_cpu_epsilon" -k "not recsys" \
-    2>&1 | tee "$OUT/tests.log"
+  run_tests
   ;;
 bench)
   install
-  for b in 1024 8192; do
-    timeout 280 "$PY" bench/bench_step.py --part vocab --device cuda --vocab 1e5 1e6 1e7 --batch "$b" \
-      --vocab-steps 20 2>&1 | tee "$OUT/bench_b$b.log"
-    cp bench/out/bench_step_cuda_b"$b".json "$OUT/" 2>/dev/null || true
-  done
+  run_bench
   ;;
 train)
   install
-  timeout 240 "$PY" -m widedp train configs/brown_cbow_sparse_exp.yaml --set train.device=cuda --out /tmp/run-cuda \
-    --no-progress 2>&1 | tee "$OUT/train.log"
-  cp /tmp/run-cuda/summary.json "$OUT/train_summary.json" 2>/dev/null || true
+  run_train
+  ;;
+all)  # one lease: tests, the default job, then the benchmark (the timed part last, alone on the GPU)
+  install
+  run_tests 90
+  run_train 90
+  run_bench 180
   ;;
 *)
-  sed -n '2,13p' "$0"
+  sed -n '2,17p' "$0"
   exit 2
   ;;
 esac

@@ -14,6 +14,15 @@ if not torch.cuda.is_available():  # Triton kernels (widedp/native/gpu.py) run i
     os.environ.setdefault("TRITON_INTERPRET", "1")  # it must be set before Triton is first imported
 
 
+@pytest.fixture(autouse=True)
+def _triton_on_for_each_test(monkeypatch):
+    """A Triton kernel that fails turns Triton off for the rest of the process (``widedp.native.gpu._broken``): in
+    the tests, for the rest of that test only."""
+    from widedp.native import gpu
+
+    monkeypatch.setattr(gpu, "_broken", {})
+
+
 @pytest.fixture(scope="session")
 def brown_cache(tmp_path_factory) -> str:
     """One cache directory for every Brown test of the session (Brown loads in ~10 s, once)."""
