@@ -3,6 +3,7 @@
     NLTK_DATA=../shared/nltk_data .venv/bin/python bench/bench_native.py                   # both parts
     NLTK_DATA=../shared/nltk_data .venv/bin/python bench/bench_native.py --part paper --steps 3000
     .venv/bin/python bench/bench_native.py --part large --vocab 1e4 1e5 1e6 --batch 1024 4096
+    .venv/bin/python bench/bench_native.py --part svt --vocab 1e5 1e6 --batch 1024 4096
 
 paper: Brown paper preset (V=1K, D=100, b=20, tied, exponential k=100, as bench/bench_opacus.py part a):
     samples/s through ``widedp.run.train.train`` (sampling, per-sample grads, DP step, optimizer, ledger; evaluation
@@ -12,9 +13,12 @@ paper: Brown paper preset (V=1K, D=100, b=20, tied, exponential k=100, as bench/
 large: synthetic Zipf CBOW batches (D=128, 8 negatives, tied table, exponential k=1024, lazy Adam): ms per step
     (per-sample grads + dp_step + optimizer; fused: the native CBOW gradients too) fused vs reference, alternating
     on one model and one optimizer, and the clip + aggregate part and the optimizer part alone.
-Both parts count, for one clip + aggregate (large: also for one whole step), the ATen calls, the bytes read +
-written by them (each op's whole input and output tensors: an upper bound, a gather counts its whole table; the
-native op counted as reading ``values`` twice) and the fresh allocations of >= [nnz, D] elements (a
+svt: the sparse-vector selector (c = k, threshold 0.01, S0 = 0.1, as bench_step.py) on the touched rows of the same
+    Zipf batches: ms per ``select`` with the native host scan (``widedp.native.svt_scan``) vs the Python reference
+    scan, same inputs and seeds (the picks are checked equal).
+The paper and large parts count, for one clip + aggregate (large: also for one whole step), the ATen calls, the
+bytes read + written by them (each op's whole input and output tensors: an upper bound, a gather counts its whole
+table; the native op counted as reading ``values`` twice) and the fresh allocations of >= [nnz, D] elements (a
 TorchDispatchMode); the minimum is reading values, rows, offsets once and writing touched and ghat.
 Torch runs on 1 thread. JSON: bench/out/bench_native.json.
 """
@@ -240,9 +244,51 @@ def large_case(V: int, batch: int, dim: int, k: int, steps: int, alternations: i
     return row
 
 
+def svt_case(V: int, batch: int, k: int, steps: int, alternations: int) -> dict[str, Any]:
+    from widedp.dp.clipping import clip_aggregate
+    from widedp.dp.selection import SelectionContext, SparseVectorSelector
+    from widedp.models.cbow import CBOW, CBOWBatch
+
+    g = torch.Generator().manual_seed(0)
+    model = CBOW(V, 128, generator=g)
+    probs = 1 / torch.arange(1, V + 1, dtype=torch.float64)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.multinomial(probs, int(torch.tensor(shape).prod()), replacement=True, generator=g).view(shape)
+
+    with torch.inference_mode():
+        _, grads = model.per_sample_row_grads(CBOWBatch(draw(batch), draw(batch, 1), draw(batch, 8)))
+        touched, ghat, _ = clip_aggregate(grads, clip1=1.0, batch_size=batch)
+    scores = ghat.norm(dim=1).clamp_max(0.1)  # norm scores clipped at S0
+    sel = SparseVectorSelector(epsilon=1.0, threshold=0.01, cutoff=k, threshold_fraction=0.5, score_clip=0.1)
+    ctx = SelectionContext(epoch=0, num_epochs=1)
+    seed = {"s": 0}
+
+    def one() -> torch.Tensor:
+        seed["s"] += 1
+        return sel.select(touched, scores, selectable_rows=model.num_rows, score_sensitivity=min(0.1, 1.0 / batch),
+                          ctx=ctx, generator=torch.Generator().manual_seed(seed["s"]))
+
+    seed["s"] = 0
+    native_picks = [one() for _ in range(3)]
+    seed["s"] = 0
+    with reference_path():
+        assert all(torch.equal(a, one()) for a in native_picks), "native and reference scans differ"
+    row: dict[str, Any] = {"vocab": V, "batch": batch, "k": k, "touched": touched.numel(),
+                           "picks": native_picks[0].numel()}
+    for _ in range(alternations):
+        row["select_ms_native"] = min(row.get("select_ms_native", float("inf")), 1e3 * _time(one, steps=steps))
+        with reference_path():
+            row["select_ms_reference"] = min(row.get("select_ms_reference", float("inf")),
+                                             1e3 * _time(one, steps=steps))
+    row["select_speedup"] = row["select_ms_reference"] / row["select_ms_native"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["paper", "large", "both"], default="both")
+    ap.add_argument("--part", choices=["paper", "large", "svt", "both"], default="both")
     ap.add_argument("--steps", type=int, default=3000, help="paper: widedp steps per case")
     ap.add_argument("--log-every", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=2, help="paper: rounds over all cases (best kept)")
@@ -269,6 +315,10 @@ def main() -> None:
         print(f"large batches D={args.dim} k={args.k}:", flush=True)
         out["large"] = [large_case(int(v), b, args.dim, args.k, args.large_steps, args.alternations)
                         for v in args.vocab for b in args.batch]
+    if args.part == "svt":
+        print(f"sparse vector selection, c={args.k}:", flush=True)
+        out["svt"] = [svt_case(int(v), b, args.k, args.large_steps, args.alternations)
+                      for v in args.vocab for b in args.batch]
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / "bench_native.json"
     if path.is_file():  # keep the other part's figures from an earlier run

@@ -11,6 +11,7 @@ import os
 import shutil
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -322,3 +323,34 @@ def test_cbow_row_grads_keep_nonfinite_rows_in_their_samples():
     assert torch.equal(bad, ~torch.isfinite(got.values).all(1)) and bad.any()
     torch.testing.assert_close(got.values[~bad], ref.values[~bad], atol=1e-6, rtol=0)
     assert torch.equal(torch.isfinite(loss), torch.isfinite(loss2))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_svt_scan_equals_the_reference(seed):
+    """The native sparse-vector scan returns ``svt.scan``'s picks exactly, over random instances: none, few or all
+    rows touched, tied scores, thresholds below and above the scores, and thresholds 700-760 query scales up, where
+    an untouched row's pass probability is subnormal or 0 (its geometric skip overflows to inf)."""
+    from widedp.dp.selection import svt
+
+    assert native.available()
+    rng = np.random.default_rng(seed)
+    subnormal = 0
+    for case in range(300):
+        num_rows = int(rng.choice([1, 7, 60, 10_000, 10**12]))
+        tpos = np.unique(rng.integers(0, num_rows, size=int(rng.integers(0, 200))))
+        if case % 10 == 0:
+            tpos = np.arange(min(num_rows, 50))  # every row touched (up to 50 rows): no untouched answer
+        u, c = tpos.size, int(rng.integers(0, 40))
+        tnoisy = rng.normal(rng.choice([-1.0, 0.0, 1.0]), 1.0, u).round(int(rng.choice([1, 8])))  # ties
+        tid = rng.integers(0, 2**40, u)
+        scale = float(rng.choice([1e-3, 0.1, 1.0]))
+        thr = rng.normal(float(rng.choice([-1.0, 0.5, 2.0])), 1.0, c)
+        if case % 3 == 0:
+            thr = rng.uniform(700, 760, c) * scale
+        subnormal += int(np.sum((thr / scale > 709) & (thr / scale < 745)))
+        unif = 1.0 - rng.random(c)
+        args = (tpos.astype(np.int64), tnoisy, tid.astype(np.int64), thr, unif)
+        ref = svt.scan(*args, num_rows=num_rows, query_scale=scale)
+        got = native.svt_scan(*map(torch.from_numpy, args), num_rows=num_rows, query_scale=scale).tolist()
+        assert got == ref, (case, num_rows, u, c)
+    assert subnormal > 100

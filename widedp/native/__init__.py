@@ -1,4 +1,5 @@
-"""Optional fused CPU kernels for the DP step (``fused.cpp``, issue 17): clip + aggregate, and lazy Adam.
+"""Optional fused CPU kernels for the DP step (``fused.cpp``, issue 17): clip + aggregate, and lazy Adam; and the
+sparse vector selector's host scan (``svt.cpp``).
 
 The PyTorch functions stay the reference (``widedp.dp.clipping``, ``widedp.dp.optim.LazyAdam``); these are used when the
 library is available, the tensors are on the CPU and ``WIDEDP_NATIVE`` is not ``0``. Otherwise widedp says so
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("fused.cpp")
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("fused.cpp", "svt.cpp"))  # one library
 _state: dict[str, object] = {}  # "ok": bool once available() ran; "why": the reason it is not available
 
 
@@ -42,20 +43,20 @@ def _command(out: Path) -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cmd = [os.environ.get("CXX", "c++"), "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
            "-fno-math-errno", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()), str(SOURCE)]
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()), *map(str, SOURCES)]
     libs = library_paths()
     return [*cmd, *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch_cpu", "-o",
             str(out)]
 
 
 def library_path() -> Path:
-    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(_command(Path("x"))[:-1]).encode()
+    tag = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(_command(Path("x"))[:-1]).encode()
                          + torch.__version__.encode() + sysconfig.get_platform().encode()).hexdigest()[:16]
     return build_dir() / f"widedp_fused_{tag}.so"
 
 
 def build(*, quiet: bool = False) -> Path:
-    """Compile ``fused.cpp`` unless this source/torch/flags combination is already built; returns the library.
+    """Compile the sources unless this source/torch/flags combination is already built; returns the library.
 
     Raises:
         RuntimeError: the compiler failed (its last lines in the message).
@@ -77,7 +78,8 @@ def build(*, quiet: bool = False) -> Path:
             r = subprocess.run(_command(tmp), capture_output=True, text=True)
             if r.returncode != 0:
                 tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
-                raise RuntimeError(f"compiling {SOURCE.name} failed (exit {r.returncode}): {tail}")
+                names = " + ".join(s.name for s in SOURCES)
+                raise RuntimeError(f"compiling {names} failed (exit {r.returncode}): {tail}")
             os.replace(tmp, out)  # atomic: a reader sees a whole library or none
         finally:
             tmp.unlink(missing_ok=True)
@@ -140,3 +142,10 @@ def cbow_row_grads(w_in: Tensor, w_out: Tensor, context: Tensor, out_ids: Tensor
     within each sample, unique), offsets [B + 1]. ``out_ids`` [B, L]: target then negatives; ``out_shift``: the
     output table's first global row (V untied, 0 tied)."""
     return torch.ops.widedp.cbow_row_grads(w_in, w_out, context, out_ids, num_rows, out_shift)
+
+
+def svt_scan(tpos: Tensor, tnoisy: Tensor, tid: Tensor, thr: Tensor, unif: Tensor, *, num_rows: int,
+             query_scale: float) -> Tensor:
+    """``selection.svt.scan`` in one native call: [<= c] int64, a touched id or -1 (an untouched answer) per segment.
+    ``tpos``/``tid`` [U] int64, ``tnoisy`` [U], ``thr``/``unif`` [c] float64, all contiguous CPU tensors."""
+    return torch.ops.widedp.svt_scan(tpos, tnoisy, tid, thr, unif, num_rows, query_scale)

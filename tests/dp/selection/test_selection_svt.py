@@ -36,10 +36,13 @@ def reference():
     return draws(selectors(**KW)[1], TOUCHED, SCORES, 6, 20_000, 1)
 
 
+@pytest.mark.parametrize("scan", ["native", "python"])
 @pytest.mark.parametrize("dense_factor", [4, 0])  # 0: positions by the rejection sampler
-def test_sparse_matches_brute_force(monkeypatch, reference, dense_factor):
-    """Ordered outcomes on R = 6 (2 touched), c = 2: the same law as the O(R) reference."""
+def test_sparse_matches_brute_force(monkeypatch, reference, dense_factor, scan):
+    """Ordered outcomes on R = 6 (2 touched), c = 2: the same law as the O(R) reference, with either host scan."""
     monkeypatch.setattr(selection_base, "_DENSE_FACTOR", dense_factor)
+    if scan == "python":
+        monkeypatch.setattr(svt.native, "available", lambda: False)
     a = draws(selectors(**KW)[0], TOUCHED, SCORES, 6, 10_000, 0)
     assert two_sample_pvalue(a, reference) > 1e-3
     assert any(len(o) == 2 and all(r not in (1, 4) for r in o) for o in a)  # untouched rows are picked
@@ -47,6 +50,8 @@ def test_sparse_matches_brute_force(monkeypatch, reference, dense_factor):
 
 @pytest.mark.parametrize("broken", ["tail_scale", "off_by_one"])
 def test_broken_skips_are_detected(monkeypatch, reference, broken):
+    # the breakage is put into the Python scan (the native one returns its picks exactly: tests/native)
+    monkeypatch.setattr(svt.native, "available", lambda: False)
     if broken == "tail_scale":  # untouched pass probability with half the query noise scale
         original = svt.laplace_tail
         monkeypatch.setattr(svt, "laplace_tail", lambda t, s: original(t, s / 2))

@@ -3,7 +3,8 @@
 Each segment (ended by an above-threshold answer) is ε-DP: threshold noise Lap(Δu/ε1), query noise Lap(2Δu/ε2),
 ε1 = f·ε, ε2 = (1−f)·ε; charged c segments whatever happens (``SparseVectorSpend``).
 
-``brute`` (the reference) perturbs all R rows: O(R). ``sparse`` has the same output law in O(U log U + c·U) ops and
+``brute`` (the reference) perturbs all R rows: O(R). ``sparse`` has the same output law in O(U log U + c·U) ops
+(O(U log U + c log U) with the native scan, ``widedp.native.svt_scan``, which returns ``scan``'s picks exactly) and
 O(U + c) memory, whatever R (U = rows touched):
 1. a uniformly random visiting order puts the U touched rows at a uniformly random ordered set of U distinct
    positions of [0, R) (``sample_distinct``); the untouched rows fill the other positions;
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from widedp import native
 from widedp.dp.noise import laplace
 from widedp.dp.selection.base import ScoreKind, SelectionContext, dense_scores, sample_distinct
 from widedp.dp.spend import SparseVectorSpend, Spend
@@ -39,8 +41,12 @@ def laplace_tail(t: float, scale: float) -> float:
 
 
 def geometric_failures(v: float, p: float) -> float:
-    """Failures before the first success of Bernoulli(p) trials, from v uniform on (0, 1] (inversion)."""
-    return 0.0 if p >= 1.0 else math.floor(math.log(v) / math.log1p(-p))
+    """Failures before the first success of Bernoulli(p) trials, from v uniform on (0, 1] (inversion); inf when p is
+    so small (subnormal) that the quotient overflows."""
+    if p >= 1.0:
+        return 0.0
+    x = math.log(v) / math.log1p(-p)
+    return x if math.isinf(x) else math.floor(x)
 
 
 def svt_brute(touched: Tensor, scores: Tensor, thresholds: Tensor, *, num_rows: int, query_scale: float,
@@ -66,24 +72,22 @@ def svt_brute(touched: Tensor, scores: Tensor, thresholds: Tensor, *, num_rows: 
     return order[torch.tensor(picks, dtype=torch.long, device=dev)]
 
 
-def svt_sparse(touched: Tensor, scores: Tensor, thresholds: Tensor, *, num_rows: int, query_scale: float,
-             generator: torch.Generator) -> Tensor:
-    """Same law as ``svt_brute`` without visiting the untouched rows one by one (module docstring)."""
-    dev, u, c = touched.device, touched.numel(), thresholds.numel()
-    m = num_rows - u  # untouched rows
-    pos = sample_distinct(u, num_rows, exclude=touched[:0], generator=generator, device=dev)  # touched i at pos[i]
-    noisy = scores + laplace((u,), scale=query_scale, generator=generator, device=dev, dtype=scores.dtype)
-    unif = 1.0 - torch.rand((c,), generator=generator, device=dev, dtype=torch.float64)  # (0, 1]: geometric draws
-    by_pos = pos.argsort()
-    # the scan runs on the host: ONE copy of everything it reads (ids and positions < 2^53 are exact in float64)
-    host = torch.cat([pos.index_select(0, by_pos).double(), noisy.index_select(0, by_pos).double(),
-                      touched.index_select(0, by_pos).double(), thresholds.double(), unif]).cpu().numpy()
-    tpos, tnoisy, tid = host[:u].astype(np.int64), host[u:2 * u], host[2 * u:3 * u].astype(np.int64)
-    thr, unif_h = host[3 * u:3 * u + c], host[3 * u + c:]
+def scan(tpos: np.ndarray, tnoisy: np.ndarray, tid: np.ndarray, thr: np.ndarray, unif: np.ndarray, *, num_rows: int,
+         query_scale: float) -> list[int]:
+    """``svt_sparse``'s host scan (steps 2-3 of the module docstring), the reference of ``widedp.native.svt_scan``.
+
+    Args:
+        tpos [U] int64 ascending: the touched rows' positions in the visiting order; tnoisy [U] their noisy scores;
+        tid [U] their ids; thr [c], unif [c] float64: each segment's threshold and a (0, 1] uniform.
+
+    Returns:
+        at most c answers: a touched id, or -1 for an untouched answer (its id is drawn afterwards).
+    """
+    u, m = tpos.size, num_rows - tpos.size  # m: untouched rows
     skipped = tpos - np.arange(u)  # untouched positions before each touched one (non-decreasing)
-    picks: list[int] = []  # a touched id, or -1 for an untouched answer (its id is drawn at the end)
+    picks: list[int] = []
     p, i = 0, 0  # next position to visit; first touched row (in visiting order) at a position >= p
-    for t, v in zip(thr.tolist(), unif_h.tolist()):
+    for t, v in zip(thr.tolist(), unif.tolist()):
         above = np.flatnonzero(tnoisy[i:] >= t)
         x_touched = int(tpos[i + above[0]]) if above.size else num_rows
         x_untouched = num_rows
@@ -103,11 +107,32 @@ def svt_sparse(touched: Tensor, scores: Tensor, thresholds: Tensor, *, num_rows:
             picks.append(-1)
             p = x_untouched + 1
         i = int(np.searchsorted(tpos, p, side="left"))
-    untouched = [j for j, x in enumerate(picks) if x < 0]
-    both = to_device(torch.tensor(picks + untouched, dtype=torch.long), dev)  # one copy back, without a wait
-    out, at = both[:len(picks)], both[len(picks):]
-    if untouched:
-        ids = sample_distinct(len(untouched), num_rows, exclude=touched, generator=generator, device=dev)
+    return picks
+
+
+def svt_sparse(touched: Tensor, scores: Tensor, thresholds: Tensor, *, num_rows: int, query_scale: float,
+             generator: torch.Generator) -> Tensor:
+    """Same law as ``svt_brute`` without visiting the untouched rows one by one (module docstring)."""
+    dev, u, c = touched.device, touched.numel(), thresholds.numel()
+    pos = sample_distinct(u, num_rows, exclude=touched[:0], generator=generator, device=dev)  # touched i at pos[i]
+    noisy = scores + laplace((u,), scale=query_scale, generator=generator, device=dev, dtype=scores.dtype)
+    unif = 1.0 - torch.rand((c,), generator=generator, device=dev, dtype=torch.float64)  # (0, 1]: geometric draws
+    by_pos = pos.argsort()
+    # the scan runs on the host: ONE copy of everything it reads (ids and positions < 2^53 are exact in float64)
+    host = torch.cat([pos.index_select(0, by_pos).double(), noisy.index_select(0, by_pos).double(),
+                      touched.index_select(0, by_pos).double(), thresholds.double(), unif]).cpu()
+    tpos, tnoisy, tid = host[:u].long(), host[u:2 * u], host[2 * u:3 * u].long()
+    thr, unif_h = host[3 * u:3 * u + c], host[3 * u + c:]
+    if native.available():  # the same picks, in O(U log U + c log U) instead of O(c·U)
+        picks = native.svt_scan(tpos, tnoisy, tid, thr, unif_h, num_rows=num_rows, query_scale=query_scale).numpy()
+    else:
+        picks = np.asarray(scan(tpos.numpy(), tnoisy.numpy(), tid.numpy(), thr.numpy(), unif_h.numpy(),
+                                num_rows=num_rows, query_scale=query_scale), dtype=np.int64)
+    untouched = np.flatnonzero(picks < 0)
+    both = to_device(torch.from_numpy(np.concatenate([picks, untouched])), dev)  # one copy back, without a wait
+    out, at = both[:picks.size], both[picks.size:]
+    if untouched.size:
+        ids = sample_distinct(untouched.size, num_rows, exclude=touched, generator=generator, device=dev)
         out.index_copy_(0, at, ids)
     return out
 
