@@ -53,7 +53,7 @@ Tensor svt_scan(const Tensor& tpos_t, const Tensor& tnoisy_t, const Tensor& tid_
   const double* thr = thr_t.data_ptr<double>();
   const double* unif = unif_t.data_ptr<double>();
 
-  // Blocks of 64 touched rows; levels[l][b] = max of the block maxima b .. b + 2^l (NaN as -inf: a NaN score never
+  // Blocks of 64 touched rows; levels[l][b] = max of block maxima b .. b + 2^l - 1 (NaN as -inf: a NaN score never
   // passes, as in the reference). O(U/64 · log U) memory: the scan stays O(U + c) in memory, like the reference.
   constexpr int64_t kBlock = 64;
   const int64_t nb = (u + kBlock - 1) / kBlock;
