@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh tests     # THERE: install into /tmp/site, then the CUDA / Triton tests (H200: ~1 min)
 #   scripts/gpu_check.sh bench     # THERE: bench_step on CUDA, V = 1e5, 1e6, 1e7, b = 1024 and 8192 (~4-5 min)
 #   scripts/gpu_check.sh train     # THERE: the default job (DP-sparse CBOW on Brown) on CUDA (H200: 24 s)
-#   scripts/gpu_check.sh all       # THERE: the three in one go, each capped (1.5 + 1.5 + 2 x 3 min)
+#   scripts/gpu_check.sh all       # THERE: the three in one go, each capped (75 s + 75 s + 2 x 200 s; H200: ~7 min)
 #
 # Run `prepare` again after every change: it builds the widedp wheel that THERE installs.
 #
@@ -83,9 +83,9 @@ train)
   ;;
 all)  # one lease: tests, the default job, then the benchmark (the timed part last, alone on the GPU)
   install
-  run_tests 90
-  run_train 90
-  run_bench 180
+  run_tests 75
+  run_train 75
+  run_bench 200
   ;;
 *)
   sed -n '2,17p' "$0"
