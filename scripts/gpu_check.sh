@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_check.sh prepare   # HERE (network): wheels the GPU image lacks -> .gpu/whl, Brown -> .gpu/nltk_data
 #   scripts/gpu_check.sh tests     # THERE: install into /tmp/site, then the CUDA / Triton tests (H200: ~1 min)
-#   scripts/gpu_check.sh bench     # THERE: bench_step on CUDA, V = 1e5, 1e6, 1e7, b = 1024 and 8192 (~4-5 min)
+#   scripts/gpu_check.sh bench     # THERE: bench_step on CUDA, V = 1e5, 1e6, 1e7, b = 1024 and 8192 (H200: ~5.5 min)
 #   scripts/gpu_check.sh train     # THERE: the default job (DP-sparse CBOW on Brown) on CUDA (H200: 24 s)
 #   scripts/gpu_check.sh all       # THERE: the three in one go, each capped (75 s + 75 s + 2 x 200 s; H200: ~7 min)
 #
