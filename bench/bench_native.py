@@ -180,22 +180,29 @@ def step_only(data: Any, steps: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ large batches
 
 
+def zipf_batch(V: int, batch: int, g: torch.Generator) -> Any:
+    """A CBOWBatch of ``batch`` (target, 1 context, 8 negatives) with Zipf ids over V words."""
+    from widedp.models.cbow import CBOWBatch
+
+    probs = 1 / torch.arange(1, V + 1, dtype=torch.float64)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.multinomial(probs, int(torch.tensor(shape).prod()), replacement=True, generator=g).view(shape)
+
+    return CBOWBatch(draw(batch), draw(batch, 1), draw(batch, 8))
+
+
 def large_case(V: int, batch: int, dim: int, k: int, steps: int, alternations: int) -> dict[str, Any]:
     from widedp.config import ExponentialSelectionConfig
     from widedp.dp.clipping import clip_aggregate
     from widedp.dp.optim import LazyAdam
     from widedp.dp.selection import SelectionContext, make_selector
     from widedp.dp.step import dp_step
-    from widedp.models.cbow import CBOW, CBOWBatch
+    from widedp.models.cbow import CBOW
 
     g = torch.Generator().manual_seed(0)
     model = CBOW(V, dim, generator=g)
-    probs = 1 / torch.arange(1, V + 1, dtype=torch.float64)
-
-    def draw(*shape: int) -> torch.Tensor:
-        return torch.multinomial(probs, int(torch.tensor(shape).prod()), replacement=True, generator=g).view(shape)
-
-    batches = [CBOWBatch(draw(batch), draw(batch, 1), draw(batch, 8)) for _ in range(4)]
+    batches = [zipf_batch(V, batch, g) for _ in range(4)]
     with torch.inference_mode():
         grads = [model.per_sample_row_grads(bt)[1] for bt in batches]
     selector = make_selector(ExponentialSelectionConfig(k=k, epsilon=1.0, score_clip=0.1), num_rows=model.num_rows)
@@ -247,17 +254,12 @@ def large_case(V: int, batch: int, dim: int, k: int, steps: int, alternations: i
 def svt_case(V: int, batch: int, k: int, steps: int, alternations: int) -> dict[str, Any]:
     from widedp.dp.clipping import clip_aggregate
     from widedp.dp.selection import SelectionContext, SparseVectorSelector
-    from widedp.models.cbow import CBOW, CBOWBatch
+    from widedp.models.cbow import CBOW
 
     g = torch.Generator().manual_seed(0)
     model = CBOW(V, 128, generator=g)
-    probs = 1 / torch.arange(1, V + 1, dtype=torch.float64)
-
-    def draw(*shape: int) -> torch.Tensor:
-        return torch.multinomial(probs, int(torch.tensor(shape).prod()), replacement=True, generator=g).view(shape)
-
     with torch.inference_mode():
-        _, grads = model.per_sample_row_grads(CBOWBatch(draw(batch), draw(batch, 1), draw(batch, 8)))
+        _, grads = model.per_sample_row_grads(zipf_batch(V, batch, g))
         touched, ghat, _ = clip_aggregate(grads, clip1=1.0, batch_size=batch)
     scores = ghat.norm(dim=1).clamp_max(0.1)  # norm scores clipped at S0
     sel = SparseVectorSelector(epsilon=1.0, threshold=0.01, cutoff=k, threshold_fraction=0.5, score_clip=0.1)

@@ -4,7 +4,7 @@ Each segment (ended by an above-threshold answer) is ε-DP: threshold noise Lap(
 ε1 = f·ε, ε2 = (1−f)·ε; charged c segments whatever happens (``SparseVectorSpend``).
 
 ``brute`` (the reference) perturbs all R rows: O(R). ``sparse`` has the same output law in O(U log U + c·U) ops
-(O(U log U + c log U) with the native scan, ``widedp.native.svt_scan``, which returns ``scan``'s picks exactly) and
+(O(U log U + c·log U) with the native scan, ``widedp.native.svt_scan``, which returns ``scan``'s picks exactly) and
 O(U + c) memory, whatever R (U = rows touched):
 1. a uniformly random visiting order puts the U touched rows at a uniformly random ordered set of U distinct
    positions of [0, R) (``sample_distinct``); the untouched rows fill the other positions;
@@ -123,7 +123,7 @@ def svt_sparse(touched: Tensor, scores: Tensor, thresholds: Tensor, *, num_rows:
                       touched.index_select(0, by_pos).double(), thresholds.double(), unif]).cpu()
     tpos, tnoisy, tid = host[:u].long(), host[u:2 * u], host[2 * u:3 * u].long()
     thr, unif_h = host[3 * u:3 * u + c], host[3 * u + c:]
-    if native.available():  # the same picks, in O(U log U + c log U) instead of O(c·U)
+    if native.available():  # the same picks, in O(U + c·log U) instead of O(c·U)
         picks = native.svt_scan(tpos, tnoisy, tid, thr, unif_h, num_rows=num_rows, query_scale=query_scale).numpy()
     else:
         picks = np.asarray(scan(tpos.numpy(), tnoisy.numpy(), tid.numpy(), thr.numpy(), unif_h.numpy(),
