@@ -30,8 +30,9 @@ SMOOTH_L1 = 0.25
 
 
 @dataclass(frozen=True)
-class SparseRows:
-    """A CSR design matrix and labels, on one device.
+class LabeledCSR:
+    """A CSR design matrix and labels, on one device (samples, not gradients: a gradient that is non-zero on a few
+    rows is ``widedp.dp.rowgrads.SparseRows``).
 
     Attributes:
         x: [n, d] sparse CSR (float). xt: [d, n] sparse CSR, its transpose (for X^T M products).
@@ -45,7 +46,7 @@ class SparseRows:
 
     @classmethod
     def from_csr(cls, indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, y: torch.Tensor, *,
-                 num_features: int, num_classes: int, dtype: torch.dtype = torch.float32) -> SparseRows:
+                 num_features: int, num_classes: int, dtype: torch.dtype = torch.float32) -> LabeledCSR:
         n = len(indptr) - 1
         with warnings.catch_warnings():  # "sparse CSR support is in beta"
             warnings.simplefilter("ignore", UserWarning)
@@ -61,7 +62,7 @@ class SparseRows:
     def num_features(self) -> int:
         return self.x.shape[1]
 
-    def rows(self, idx: torch.Tensor) -> SparseRows:
+    def rows(self, idx: torch.Tensor) -> LabeledCSR:
         """The sub-matrix of rows ``idx`` ([m] int64)."""
         crow, col, val = self.x.crow_indices(), self.x.col_indices(), self.x.values()
         starts, ends = crow[idx], crow[idx + 1]
@@ -71,7 +72,7 @@ class SparseRows:
         total = int(new_crow[-1])
         rep = torch.repeat_interleave(torch.arange(len(idx)), lens)
         pos = starts[rep] + (torch.arange(total) - new_crow[:-1][rep])
-        return SparseRows.from_csr(new_crow, col[pos], val[pos], self.y[idx], num_features=self.num_features,
+        return LabeledCSR.from_csr(new_crow, col[pos], val[pos], self.y[idx], num_features=self.num_features,
                                    num_classes=self.num_classes, dtype=val.dtype)
 
     def row_norms(self, p: float = 2.0) -> torch.Tensor:
@@ -88,7 +89,7 @@ class SparseRows:
 ROW_NORM_SLACK = 1e-5
 
 
-def check_row_norms(data: SparseRows, *, p: float = 2.0, bound: float = 1.0) -> None:
+def check_row_norms(data: LabeledCSR, *, p: float = 2.0, bound: float = 1.0) -> None:
     """Raise ValueError unless every row has p-norm <= bound (the Lipschitz and smoothness constants above assume
     unit rows; the data builder normalises each example by its own norm, so any example satisfies it)."""
     if len(data) and float(data.row_norms(p).max()) > bound * (1.0 + ROW_NORM_SLACK):
@@ -96,18 +97,18 @@ def check_row_norms(data: SparseRows, *, p: float = 2.0, bound: float = 1.0) -> 
                          f"{float(data.row_norms(p).max()):.6g}")
 
 
-def logits(w: torch.Tensor, data: SparseRows) -> torch.Tensor:
+def logits(w: torch.Tensor, data: LabeledCSR) -> torch.Tensor:
     """[n, K] = X W."""
     return torch.sparse.mm(data.x, w.to(data.x.dtype))
 
 
-def losses(w: torch.Tensor, data: SparseRows) -> torch.Tensor:
+def losses(w: torch.Tensor, data: LabeledCSR) -> torch.Tensor:
     """[n] per-sample cross-entropy."""
     z = logits(w, data)
     return torch.logsumexp(z, 1) - z.gather(1, data.y[:, None])[:, 0]
 
 
-def residuals(w: torch.Tensor, data: SparseRows) -> tuple[torch.Tensor, torch.Tensor]:
+def residuals(w: torch.Tensor, data: LabeledCSR) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample loss [n] and residual R = softmax(XW) - onehot(y): [n, K] (grad_i = x_i R_i^T)."""
     z = logits(w, data)
     lse = torch.logsumexp(z, 1)
@@ -117,23 +118,23 @@ def residuals(w: torch.Tensor, data: SparseRows) -> tuple[torch.Tensor, torch.Te
     return loss, r
 
 
-def weighted_grad_sum(data: SparseRows, coef: torch.Tensor) -> torch.Tensor:
+def weighted_grad_sum(data: LabeledCSR, coef: torch.Tensor) -> torch.Tensor:
     """sum_i x_i coef_i^T = X^T coef: [d, K] for coef [n, K] (e.g. clipped residuals)."""
     return torch.sparse.mm(data.xt, coef)
 
 
-def grad_norms(data: SparseRows, r: torch.Tensor, x_norms: torch.Tensor) -> torch.Tensor:
+def grad_norms(data: LabeledCSR, r: torch.Tensor, x_norms: torch.Tensor) -> torch.Tensor:
     """[n] per-sample gradient L2 norms ||x_i||_2 ||r_i||_2 (the gradient is a rank-one outer product)."""
     return x_norms * r.norm(dim=1)
 
 
-def accuracy(w: torch.Tensor, data: SparseRows) -> float:
+def accuracy(w: torch.Tensor, data: LabeledCSR) -> float:
     if len(data) == 0:
         return float("nan")
     return float((logits(w, data).argmax(1) == data.y).double().mean())
 
 
-def mean_loss(w: torch.Tensor, data: SparseRows) -> float:
+def mean_loss(w: torch.Tensor, data: LabeledCSR) -> float:
     if len(data) == 0:
         return float("nan")
     return float(losses(w, data).double().mean())

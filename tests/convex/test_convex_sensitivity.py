@@ -18,9 +18,9 @@ from widedp.models import glm
 TOL = 1e-9
 
 
-def _rows(x: torch.Tensor, y: torch.Tensor, k: int) -> glm.SparseRows:
+def _rows(x: torch.Tensor, y: torch.Tensor, k: int) -> glm.LabeledCSR:
     csr = x.to_sparse_csr()
-    return glm.SparseRows.from_csr(csr.crow_indices(), csr.col_indices(), csr.values(), y, num_features=x.shape[1],
+    return glm.LabeledCSR.from_csr(csr.crow_indices(), csr.col_indices(), csr.values(), y, num_features=x.shape[1],
                                    num_classes=k, dtype=torch.float64)
 
 
@@ -64,7 +64,7 @@ def _trials(seed: int, count: int, **kw):
 # ---------------------------------------------------------------------------------------- DP-SGD / sparse mean
 
 
-def _dp_gd_charge(data: glm.SparseRows, clip: float, batch_size: int, estimator: str = "gaussian") -> float:
+def _dp_gd_charge(data: glm.LabeledCSR, clip: float, batch_size: int, estimator: str = "gaussian") -> float:
     res = sparse_mean.dp_gd(data, noise_multiplier=1.0, iterations=1, lr=0.0, clip=clip, batch_size=batch_size,
                             estimator=estimator, generator=torch.Generator().manual_seed(0), block_size=4,
                             l1_radius=1.0)

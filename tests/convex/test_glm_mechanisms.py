@@ -15,7 +15,7 @@ from widedp.dp.spend import GaussianSpend, StepSpend
 from widedp.models import glm
 
 
-def _rows(seed: int = 0, n: int = 60, d: int = 12, k: int = 3) -> glm.SparseRows:
+def _rows(seed: int = 0, n: int = 60, d: int = 12, k: int = 3) -> glm.LabeledCSR:
     g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, k, (n,), generator=g)
     dense = torch.rand(n, d, generator=g, dtype=torch.float64) * (torch.rand(n, d, generator=g) < 0.5)
@@ -23,7 +23,7 @@ def _rows(seed: int = 0, n: int = 60, d: int = 12, k: int = 3) -> glm.SparseRows
     dense[:, -1] = 1.0
     dense = dense / dense.norm(dim=1, keepdim=True)
     csr = dense.to_sparse_csr()
-    return glm.SparseRows.from_csr(csr.crow_indices(), csr.col_indices(), csr.values(), y, num_features=d,
+    return glm.LabeledCSR.from_csr(csr.crow_indices(), csr.col_indices(), csr.values(), y, num_features=d,
                                    num_classes=k, dtype=torch.float64)
 
 
@@ -159,7 +159,7 @@ def test_oracle_returns_a_vertex():
         assert int((v != 0).sum()) == 1 and float(v.abs().sum()) == 2.0
 
 
-def _l1_constrained_optimum(data: glm.SparseRows, radius: float, iters: int = 3000) -> float:
+def _l1_constrained_optimum(data: glm.LabeledCSR, radius: float, iters: int = 3000) -> float:
     w = torch.zeros(data.num_features, data.num_classes, dtype=torch.float64)
     for _ in range(iters):
         _, r = glm.residuals(w, data)

@@ -16,13 +16,13 @@ from widedp.models import glm
 from widedp.tasks.glm import to_rows
 
 
-def _rows(seed: int = 0, n: int = 12, d: int = 9, k: int = 4) -> glm.SparseRows:
+def _rows(seed: int = 0, n: int = 12, d: int = 9, k: int = 4) -> glm.LabeledCSR:
     g = torch.Generator().manual_seed(seed)
     dense = torch.rand(n, d, generator=g, dtype=torch.float64) * (torch.rand(n, d, generator=g) < 0.4)
     dense[:, -1] = 1.0
     dense = dense / dense.norm(dim=1, keepdim=True)
     csr = dense.to_sparse_csr()
-    return glm.SparseRows.from_csr(csr.crow_indices(), csr.col_indices(), csr.values(),
+    return glm.LabeledCSR.from_csr(csr.crow_indices(), csr.col_indices(), csr.values(),
                                    torch.randint(0, k, (n,), generator=g), num_features=d, num_classes=k,
                                    dtype=torch.float64)
 

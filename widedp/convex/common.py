@@ -111,7 +111,7 @@ def mean_sensitivity(clip: float, *, n: int, denominator: float | None) -> float
 
 
 
-def clipped_residuals(w: torch.Tensor, data: glm.SparseRows, x_norms: torch.Tensor, clip: float
+def clipped_residuals(w: torch.Tensor, data: glm.LabeledCSR, x_norms: torch.Tensor, clip: float
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample loss [n], residuals scaled so that each gradient x_i r_i^T has L2 norm <= clip: [n, K], and the
     fraction of samples clipped (scalar)."""

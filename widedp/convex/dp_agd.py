@@ -84,7 +84,7 @@ def clipped_loss_sums(z0: torch.Tensor, dz: torch.Tensor, y: torch.Tensor, steps
     return out
 
 
-def dp_agd(data: glm.SparseRows, *, rho: float, nominal_iterations: int, clip: float, loss_clip: float,
+def dp_agd(data: glm.LabeledCSR, *, rho: float, nominal_iterations: int, clip: float, loss_clip: float,
            nmax_share: float, gamma: float, step_candidates: int, step_max: float, step_window: int,
            generator: torch.Generator, callback: Callback | None = None, log_every: int = 10,
            max_iterations: int = 100_000) -> ConvexResult:

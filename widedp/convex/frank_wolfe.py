@@ -69,12 +69,12 @@ def l1_ball_oracle(grad: torch.Tensor, *, radius: float, noise_scale: float = 0.
     return v.reshape(grad.shape).to(grad.dtype)
 
 
-def _grad_mean(w: torch.Tensor, data: glm.SparseRows, denom: float) -> torch.Tensor:
+def _grad_mean(w: torch.Tensor, data: glm.LabeledCSR, denom: float) -> torch.Tensor:
     _, r = glm.residuals(w, data)
     return glm.weighted_grad_sum(data, r) / denom
 
 
-def vr_update(grad: torch.Tensor, w: torch.Tensor, w_prev: torch.Tensor, batch: glm.SparseRows, *, denom: float,
+def vr_update(grad: torch.Tensor, w: torch.Tensor, w_prev: torch.Tensor, batch: glm.LabeledCSR, *, denom: float,
               eta: float) -> torch.Tensor:
     """grad_t from grad_{t-1}: (1 - eta)(grad_{t-1} + mean[g(w_t) - g(w_{t-1})]) + eta mean g(w_t) over ``batch``."""
     g_now = _grad_mean(w, batch, denom)
@@ -91,7 +91,7 @@ def sensitivities(*, iterations: int, n: int, eta: float, radius: float, first_b
     return [max((1.0 - rho) ** t * lipschitz / b1, later if t > 0 else 0.0) for t in range(iterations)]
 
 
-def private_frank_wolfe(data: glm.SparseRows, *, epsilon0: float | None, iterations: int, radius: float,
+def private_frank_wolfe(data: glm.LabeledCSR, *, epsilon0: float | None, iterations: int, radius: float,
                         eta: float, first_batch_fraction: float, noise: str, generator: torch.Generator,
                         callback: Callback | None = None, log_every: int = 10) -> ConvexResult:
     """Algorithm 2 of the module docstring; each of the T oracle calls is ``epsilon0``-DP (laplace) or
@@ -131,7 +131,7 @@ def private_frank_wolfe(data: glm.SparseRows, *, epsilon0: float | None, iterati
     return ConvexResult(w, ledger, T, info)
 
 
-def frank_wolfe_nonprivate(data: glm.SparseRows, *, iterations: int, radius: float) -> torch.Tensor:
+def frank_wolfe_nonprivate(data: glm.LabeledCSR, *, iterations: int, radius: float) -> torch.Tensor:
     """Classical full-batch Frank-Wolfe on the l1 ball with step 2/(t+2): W [d, K] (a reference)."""
     w = torch.zeros(data.num_features, data.num_classes, dtype=data.x.values().dtype)
     for t in range(iterations):

@@ -129,7 +129,7 @@ def calibrate_segment_epsilon(*, iterations: int, sampling_rate: float, cutoff: 
         steps=iterations, delta=delta, target_epsilon=target_epsilon, accountant=accountant)  # type: ignore[arg-type]
 
 
-def linf_clipped_mean(w: torch.Tensor, batch: glm.SparseRows, *, clip: float, denominator: float,
+def linf_clipped_mean(w: torch.Tensor, batch: glm.LabeledCSR, *, clip: float, denominator: float,
                       x_inf: torch.Tensor | None = None) -> np.ndarray:
     """The quantity NumericSparse sees: (1/denominator) sum_i clip_inf(grad_i), flattened [d K] (float64)."""
     x_inf = batch.row_norms(math.inf) if x_inf is None else x_inf
@@ -139,7 +139,7 @@ def linf_clipped_mean(w: torch.Tensor, batch: glm.SparseRows, *, clip: float, de
     return (glm.weighted_grad_sum(batch, r) / denominator).reshape(-1).double().numpy()
 
 
-def numeric_sparse_erm(data: glm.SparseRows, *, segment_epsilon: float, iterations: int, lr: float, clip: float,
+def numeric_sparse_erm(data: glm.LabeledCSR, *, segment_epsilon: float, iterations: int, lr: float, clip: float,
                        batch_size: int, cutoff: int, threshold_scale: float, release_share: float,
                        generator: torch.Generator, callback: Callback | None = None, log_every: int = 10
                        ) -> ConvexResult:

@@ -54,12 +54,12 @@ def project_l2(w: torch.Tensor, radius: float) -> torch.Tensor:
     return w if nrm <= radius else w * (radius / nrm)
 
 
-def solve_regularized(data: glm.SparseRows, *, l2_reg: float, radius: float = math.inf, iterations: int = 1000,
+def solve_regularized(data: glm.LabeledCSR, *, l2_reg: float, radius: float = math.inf, iterations: int = 1000,
                       tol: float = 1e-7, smooth: float = glm.SMOOTH_L2) -> tuple[torch.Tensor, dict[str, float]]:
     """argmin over ||W|| <= radius of mean loss + (l2_reg/2)||W||^2 by V-FISTA: W [d, K] (float64 internally), and
     {"iterations", "grad_mapping_norm"}; stops when the gradient mapping norm is <= tol or after ``iterations``."""
     n = len(data)
-    x64 = glm.SparseRows(data.x.to(torch.float64), data.xt.to(torch.float64), data.y, data.num_classes)
+    x64 = glm.LabeledCSR(data.x.to(torch.float64), data.xt.to(torch.float64), data.y, data.num_classes)
     lip = smooth + l2_reg
     kappa = lip / l2_reg
     beta = (math.sqrt(kappa) - 1.0) / (math.sqrt(kappa) + 1.0)
@@ -94,7 +94,7 @@ def guaranteed_iterations(*, tol: float, lipschitz: float, smooth: float, l2_reg
     return 0 if target >= 1.0 else math.ceil(math.log(target) / math.log(rate))
 
 
-def solve_private(data: glm.SparseRows, *, l2_reg: float, radius: float, lipschitz: float, smooth: float,
+def solve_private(data: glm.LabeledCSR, *, l2_reg: float, radius: float, lipschitz: float, smooth: float,
                   iterations: int) -> tuple[torch.Tensor, float, dict[str, float]]:
     """The solver as output perturbation runs it: (x^, the charged L2 sensitivity Delta, info); Delta covers
     x^(D) vs x^(D') for D' = D +- one example, the solver residual included (module docstring)."""
@@ -136,7 +136,7 @@ def poster_laplace_scale(*, lipschitz: float, smooth: float, sparsity: int, l2_r
     return 2.0 * math.sqrt(2.0 * sparsity) * lipschitz / (l2_reg * n * epsilon) * (2.0 * smooth / l2_reg + 1.0)
 
 
-def output_perturbation(data: glm.SparseRows, *, epsilon: float, delta: float, l2_reg: float, mechanism: str,
+def output_perturbation(data: glm.LabeledCSR, *, epsilon: float, delta: float, l2_reg: float, mechanism: str,
                         sparsity: int, radius: float, generator: torch.Generator, solver_iterations: int = 1000,
                         accountant: str = "pld", lipschitz: float = glm.LIPSCHITZ_L2,
                         smooth: float = glm.SMOOTH_L2) -> ConvexResult:

@@ -146,7 +146,7 @@ def calibrate_sigma(*, iterations: int, sampling_rate: float, target_epsilon: fl
         target_epsilon=target_epsilon, accountant=accountant)  # type: ignore[arg-type]
 
 
-def clipped_grad_mean(w: torch.Tensor, batch: glm.SparseRows, *, clip: float, denominator: float,
+def clipped_grad_mean(w: torch.Tensor, batch: glm.LabeledCSR, *, clip: float, denominator: float,
                       x_norms: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """The quantity dp_gd noises: (1/denominator) sum_i clip_C(grad_i) over ``batch`` ([d, K]), and the share of
     clipped examples."""
@@ -155,7 +155,7 @@ def clipped_grad_mean(w: torch.Tensor, batch: glm.SparseRows, *, clip: float, de
     return glm.weighted_grad_sum(batch, r) / denominator, float(frac)
 
 
-def dp_gd(data: glm.SparseRows, *, noise_multiplier: float | None, iterations: int, lr: float, clip: float,
+def dp_gd(data: glm.LabeledCSR, *, noise_multiplier: float | None, iterations: int, lr: float, clip: float,
           batch_size: int, estimator: str, generator: torch.Generator, l1_radius: float = 0.0,
           block_size: int = 256, measurement_ratio: float = 0.5, callback: Callback | None = None,
           log_every: int = 10) -> ConvexResult:

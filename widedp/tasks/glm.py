@@ -74,8 +74,8 @@ def privacy_statement(cfg: Config, epsilon: float | None, *, private_rng: bool) 
                             reason="" if private_rng else rng.NOT_PRIVATE)
 
 
-def to_rows(split: Any, *, num_features: int, num_classes: int, dtype: torch.dtype) -> glm.SparseRows:
-    return glm.SparseRows.from_csr(torch.from_numpy(split.indptr), torch.from_numpy(split.indices),
+def to_rows(split: Any, *, num_features: int, num_classes: int, dtype: torch.dtype) -> glm.LabeledCSR:
+    return glm.LabeledCSR.from_csr(torch.from_numpy(split.indptr), torch.from_numpy(split.indices),
                                    torch.from_numpy(split.values), torch.from_numpy(split.labels),
                                    num_features=num_features, num_classes=num_classes, dtype=dtype)
 
@@ -86,7 +86,7 @@ def default_sparsity(cfg: Config, num_features: int, num_classes: int) -> int:
     return min(num_features, words + int(cfg.data.bias_feature > 0)) * num_classes
 
 
-def run_algorithm(a: GLMAlgorithmConfig, train: glm.SparseRows, *, sparsity: int, generator: torch.Generator,
+def run_algorithm(a: GLMAlgorithmConfig, train: glm.LabeledCSR, *, sparsity: int, generator: torch.Generator,
                   callback: common.Callback) -> common.ConvexResult:
     """Calibrate ``a``'s noise to its target epsilon and run it on ``train``."""
     from widedp.convex import dp_agd, frank_wolfe, numeric_sparse, output_perturbation, sparse_mean
@@ -141,7 +141,7 @@ def run_algorithm(a: GLMAlgorithmConfig, train: glm.SparseRows, *, sparsity: int
     raise AssertionError(a.name)  # pragma: no cover
 
 
-def _metrics(w: torch.Tensor, splits: dict[str, glm.SparseRows]) -> dict[str, float]:
+def _metrics(w: torch.Tensor, splits: dict[str, glm.LabeledCSR]) -> dict[str, float]:
     out = {}
     for name, s in splits.items():
         out[f"{name}_loss"] = glm.mean_loss(w, s)
