@@ -38,16 +38,19 @@ from widedp.data_prep import splits as splits_mod
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysBatch, make_kjt
 
-_FORMAT = 3  # bump when the prepared arrays change for the same parameters
+_FORMAT = 4  # bump when the prepared arrays change for the same parameters
 _RATING_FIELDS = ("user", "item", "rating", "timestamp")
 
 
 @dataclass(frozen=True)
 class Interactions:
-    """n interactions. features: name -> [n, L] int64 ids (table order); label: [n] float32 in {0, 1}."""
+    """n interactions. features: name -> [n, L] int64 ids (table order); label: [n] float32 in {0, 1}; user: [n]
+    int64 the raw user of each interaction (one number per distinct raw id) where the ``user`` feature does not say
+    it (hashed ids: two raw users may share a row), else None: the privacy unit ``user`` groups by it."""
 
     features: dict[str, np.ndarray]
     label: np.ndarray
+    user: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.label)
@@ -77,6 +80,7 @@ class RecsysSplit:
         self.names = list(data.features)
         self.features = [torch.as_tensor(a, dtype=torch.long, device=device) for a in data.features.values()]
         self.label = torch.as_tensor(data.label, dtype=torch.float32, device=device)
+        self.user = data.user  # host array, or None: the user feature's rows are the users
 
     def __len__(self) -> int:
         return self.label.numel()
@@ -96,6 +100,7 @@ def prepare_interactions(cfg: RecsysDataConfig) -> InteractionData:
     if cache is not None and cache.is_file():
         return _load(cache)
     raw: dict[str, np.ndarray] | None = None
+    user: np.ndarray | None = None
     if cfg.source == "synthetic":
         card, feats, rating = synthetic_interactions(cfg)
         ids = {k: list(range(n)) for k, n in card.items()}
@@ -110,7 +115,7 @@ def prepare_interactions(cfg: RecsysDataConfig) -> InteractionData:
             cols = read_hf(cfg.source[3:], cfg.columns, split=cfg.hf_split)
         if cfg.max_interactions:
             cols = {k: v[: cfg.max_interactions] for k, v in cols.items()}
-        card, feats, rating, ids = _encode(cols, time_feature=cfg.time_feature, buckets=cfg.id_buckets)
+        card, feats, rating, ids, user = _encode(cols, time_feature=cfg.time_feature, buckets=cfg.id_buckets)
         raw = cols
     label = (rating >= cfg.label_threshold).astype(np.float32)
     keys = interaction_keys(cfg, feats, rating, raw)
@@ -122,7 +127,8 @@ def prepare_interactions(cfg: RecsysDataConfig) -> InteractionData:
         if i == 0 and len(sel) == 0:
             raise ConfigError(f"data.splits: the train split is empty ({list(cfg.splits)} of {len(label):,} "
                               "interactions)")
-        parts.append(Interactions({k: v[sel] for k, v in feats.items()}, label[sel]))
+        parts.append(Interactions({k: v[sel] for k, v in feats.items()}, label[sel],
+                                  None if user is None else user[sel]))
     data = InteractionData(card, *parts, ids=ids)
     if cache is not None:
         _save(cache, data)
@@ -239,8 +245,10 @@ def id_bucket(raw: object, buckets: int) -> int:
 
 
 def _encode(cols: dict[str, np.ndarray], *, time_feature: bool, buckets: int = 0
-            ) -> tuple[dict[str, int], dict[str, np.ndarray], np.ndarray, dict[str, Any]]:
-    card, feats, ids = {}, {}, {}
+            ) -> tuple[dict[str, int], dict[str, np.ndarray], np.ndarray, dict[str, Any], np.ndarray | None]:
+    """(cardinality, features, rating, ids, user): ``user`` [n] numbers the raw users when ids are hashed (rows then
+    do not identify users), else None."""
+    card, feats, ids, user = {}, {}, {}, None
     for f in ("user", "item"):
         if buckets:
             col = np.asarray(cols[f])
@@ -248,6 +256,8 @@ def _encode(cols: dict[str, np.ndarray], *, time_feature: bool, buckets: int = 0
             rows = np.array([id_bucket(u, buckets) for u in uniq.tolist()], dtype=np.int64)
             card[f], feats[f] = buckets, rows[inv.reshape(-1)].reshape(-1, 1)
             ids[f] = {"hashed": buckets}
+            if f == "user":
+                user = inv.reshape(-1).astype(np.int64)
             continue
         try:
             uniq, inv = np.unique(cols[f], return_inverse=True)
@@ -264,7 +274,7 @@ def _encode(cols: dict[str, np.ndarray], *, time_feature: bool, buckets: int = 0
         rating = np.asarray(cols["rating"], dtype=np.float64)
     except ValueError:
         raise ConfigError("data.columns: the rating column is not numeric") from None
-    return card, feats, rating, ids
+    return card, feats, rating, ids, user
 
 
 def _json_ids(uniq: np.ndarray) -> list:
@@ -293,6 +303,8 @@ def _save(path: Path, data: InteractionData) -> None:
         part: Interactions = getattr(data, s)
         arrays[f"{s}/label"] = part.label
         arrays.update({f"{s}/f/{k}": v for k, v in part.features.items()})
+        if part.user is not None:
+            arrays[f"{s}/user"] = part.user
     tmp = path.with_suffix(".tmp.npz")
     np.savez(tmp, **arrays)
     tmp.replace(path)
@@ -302,5 +314,6 @@ def _load(path: Path) -> InteractionData:
     with np.load(path) as z:
         card = json.loads(z["cardinality"].tobytes().decode())
         ids = json.loads(z["ids"].tobytes().decode()) if "ids" in z.files else None
-        parts = [Interactions({k: z[f"{s}/f/{k}"] for k in card}, z[f"{s}/label"]) for s in ("train", "valid", "test")]
+        parts = [Interactions({k: z[f"{s}/f/{k}"] for k in card}, z[f"{s}/label"],
+                              z[f"{s}/user"] if f"{s}/user" in z.files else None) for s in ("train", "valid", "test")]
     return InteractionData(card, *parts, ids=ids)

@@ -183,3 +183,33 @@ def test_hashed_ids_and_a_fixed_rate_leave_nothing_uncovered(tmp_path, capsys):
     assert ids["ids"]["user"] == ids["ids"]["item"] == {"hashed": 32} and len(ids["ids"]["hour"]) == 24
     rows = [state[f"ebc.embedding_bags.t_{f}.weight"].shape[0] for f in ("user", "item")]
     assert rows == [32, 32]
+
+
+def test_user_units_with_hashed_ids_are_raw_users_not_buckets(tmp_path):
+    """With data.id_buckets two raw users can share a row; they stay two privacy units. Adding a user whose id
+    collides with another's adds a unit and leaves the other's unit as it was (grouping by the row merged them: a
+    neighbour then changed an existing unit, which the per-user ε does not cover)."""
+    from widedp.config import config_from_dict
+    from widedp.data_prep.interactions import RecsysSplit, id_bucket
+    from widedp.tasks.recsys import RecsysTask
+
+    buckets, seen = 16, {}
+    for u in range(1, 1000):
+        if id_bucket(u, buckets) in seen:
+            a, c = seen[id_bucket(u, buckets)], u
+            break
+        seen[id_bucket(u, buckets)] = u
+
+    def units(users):  # user a rates 5 (label 1), user c rates 1 (label 0); 3 interactions each, cap 4
+        path = tmp_path / f"r{len(users)}.dat"
+        path.write_text("".join(f"{u}::{i}::{5 if u == a else 1}::{i}\n" for u in users for i in range(3)))
+        cfg = config_from_dict({"task": "recsys", "data": {
+            "preset": "custom", "source": f"ratings:{path}", "id_buckets": buckets, "splits": [1.0, 0.0, 0.0],
+            "cache_dir": "", "privacy_unit": "user", "max_samples_per_unit": 4}})
+        split = RecsysSplit(prepare_interactions(cfg.data).train, "cpu")
+        grouped = RecsysTask().units(cfg, split, device="cpu")
+        o = grouped.offsets.tolist()
+        return sorted(split.label[grouped.samples[o[j]:o[j + 1]]].tolist() for j in range(grouped.num_units))
+
+    assert units([a]) == [[1.0, 1.0, 1.0]]
+    assert units([a, c]) == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]  # by row: one unit [1, 1, 1, 0] (cut at 4)

@@ -86,12 +86,13 @@ class RecsysTask(LoopTask):
         return Built(splits, build_model(data.cardinality, cfg.model, seed=cfg.train.seed, device=device))
 
     def units(self, cfg: Config, split: Any, *, device: torch.device | str) -> units.Units | None:
-        """User units: the ``user`` feature, each user's interactions keyed by their index in the split."""
+        """User units: the raw user of each interaction (the ``user`` feature's row, or with hashed ids, where
+        raw users share rows, the raw id itself), each user's interactions keyed by their index in the split."""
         if units.is_per_sample(cfg):
             return None
         if "user" not in split.names:
             raise ConfigError("data.privacy_unit: user needs a 'user' feature in the data")
-        user = split.features[split.names.index("user")][:, 0].cpu().numpy()
+        user = split.user if split.user is not None else split.features[split.names.index("user")][:, 0].cpu().numpy()
         return units.group_units(user, np.arange(len(user)), cap=cfg.data.max_samples_per_unit, device=device)
 
     def privacy(self, cfg: Config) -> UnitFacts:
