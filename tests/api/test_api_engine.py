@@ -271,6 +271,35 @@ def test_empty_poisson_batches_are_noise_only_steps():
         next(batches)
 
 
+def test_a_step_takes_only_the_batch_the_poisson_loader_issued():
+    """The ε assumes the loader's Poisson batches: a step on the user's own (shuffled, fixed-size) DataLoader, a
+    second step on one batch, or a forward over part of a batch is refused before anything is spent."""
+    data = [(torch.tensor([i % 10, (i + 1) % 10]), torch.tensor(i % 2)) for i in range(100)]
+    dl = DataLoader(data, batch_size=10, shuffle=True, collate_fn=collate_pairs)
+    model = BagModel()
+    eng = engine()
+    model, opt, loader = eng.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dl, epochs=1)
+
+    def backward(x, t):
+        F.cross_entropy(model(x), t, reduction="none").sum().backward()
+
+    x, t = next(iter(dl))  # the user's DataLoader, not the loader make_private returned
+    backward(x, t)
+    with pytest.raises(RuntimeError, match="no batch from the loader that make_private returned"):
+        opt.step()
+    x, t = next(iter(loader))
+    backward(x, t)
+    opt.step()
+    with pytest.raises(RuntimeError, match="no batch from the loader"):
+        opt.step()  # a second step on the same batch
+    batches = iter(loader)
+    x, t = next(batches)
+    backward(x[:-1], t[:-1])
+    with pytest.raises(RuntimeError, match=rf"the step saw {len(t) - 1} samples, the loader's batch has {len(t)}"):
+        opt.step()
+    assert eng.steps == eng.ledger.steps == 1  # only the one legitimate step was taken and charged
+
+
 def test_reproducible_mode_is_labelled_not_private():
     with pytest.warns(UserWarning, match="NOT private"):
         eng = engine(secure_rng=False, seed=3)

@@ -144,6 +144,7 @@ class PrivacyEngine:
         self.last_stats: StepStats | None = None
         self._capture: Capture | None = None
         self._last_private: int = -1
+        self._issued: tuple[int, int] | None = None  # (step, B) of the batch the Poisson loader last yielded
 
     # --------------------------------------------------------------------------------------------------- setup
 
@@ -242,16 +243,44 @@ class PrivacyEngine:
     def step(self, batch: Any, loss_fn: Any) -> Tensor:
         """One DP step on ``batch`` (from the loader): loss_fn(batch) -> [B] per-sample losses. Returns them."""
         self._check_budget()
+        issued = self._take_issued()
         loss, g = self.per_sample_grads(batch, loss_fn)
+        self._check_size(issued, g.batch_size)
         self._dp_update(g)
         return loss
 
     def _step_recorded(self) -> None:
         """``optimizer.step()``: the DP step on what the last forward + backward recorded."""
         cap = self._ready()
-        self._check_budget()
-        b = batch_size_of(cap.records)
+        try:
+            self._check_budget()
+            issued = self._take_issued()
+            b = batch_size_of(cap.records)
+            self._check_size(issued, b)
+        except Exception:
+            cap.clear()  # a refused step's records must not join the next step's
+            self._updater.clear_grads()
+            raise
         self._dp_update(collect(cap, self.layout, batch=b, scale=float(b) if self._mean else 1.0))
+
+    def _issue(self, step: int, size: int) -> None:
+        """The loader yields step ``step``'s Poisson batch of ``size`` items: the one batch the next step may use."""
+        self._issued = (step, size)
+
+    def _take_issued(self) -> int:
+        """The size of the batch the loader issued for this step; refuses a step on any other batch (the
+        accountant's q assumes the loader's Poisson batches: a shuffled fixed-size batch is not covered)."""
+        issued, self._issued = self._issued, None
+        if issued is None or issued[0] != self.steps:
+            raise RuntimeError(f"step {self.steps}: no batch from the loader that make_private returned is waiting "
+                               "for this step; the ε assumes its Poisson batches, so iterate that loader (not your "
+                               "DataLoader) and take one DP step per batch")
+        return issued[1]
+
+    def _check_size(self, issued: int, size: int) -> None:
+        if size != issued:
+            raise RuntimeError(f"step {self.steps}: the step saw {size} samples, the loader's batch has {issued} "
+                               "items; each item must be one sample of the forward (the privacy unit is one item)")
 
     def empty_step(self) -> None:
         """The step of an empty Poisson batch: no data, the same selection and noise, the same spend."""

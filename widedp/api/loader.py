@@ -9,7 +9,9 @@ a resumed engine continues mid-epoch with the very batches an uninterrupted run 
 - An empty Poisson batch is not yielded: the engine takes its step itself (noise only; it is a step of the
   analysis and spends like any other).
 - Each yielded batch must be used for exactly one DP step (``optimizer.step()`` or ``engine.step``) before the
-  next is asked for.
+  next is asked for, and a step takes only the batch this loader yielded for it (a batch from elsewhere, a second
+  step on one batch, or a forward over a different number of samples is refused: the accountant's q describes
+  these Poisson batches and nothing else).
 - Iteration ends at the run's planned steps (``epochs`` x steps per epoch) or when the next step would exceed
   ``target_epsilon`` (then ``engine.stopped_by_budget`` is True).
 - Items are read in the main process (``num_workers`` is ignored); ``dataset.__getitems__`` is used when present.
@@ -52,7 +54,9 @@ class PoissonLoader:
             if not idx:
                 e.empty_step()
                 continue
-            yield self._fetch(idx)
+            batch = self._fetch(idx)
+            e._issue(t, len(idx))
+            yield batch
             if e.steps == t:
                 raise RuntimeError(f"step {t}: the previous Poisson batch was not used for a DP step; call "
                                    "optimizer.step() (or engine.step) once per batch before asking for the next")
