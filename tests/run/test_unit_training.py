@@ -101,6 +101,12 @@ def test_resume_reuses_the_vocabulary_and_counts_it_once(tmp_path, monkeypatch):
     a = torch.load(run / "checkpoint.pt", weights_only=True)["model"]
     b = torch.load(snap / "checkpoint.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # a resume that lost the release never draws a second one (nor touches vocab.json)
+    vocab = (snap / "vocab.json").read_bytes()
+    (snap / vocab_dp.RELEASE_FILE).unlink()
+    with pytest.raises(ConfigError, match="vocab_release.json: missing, so the run's DP vocabulary is lost"):
+        train(cfg, snap, resume=True, progress=False)
+    assert not (snap / vocab_dp.RELEASE_FILE).exists() and (snap / "vocab.json").read_bytes() == vocab
 
 
 def test_private_top_warns_and_says_so_pair_is_unchanged(tmp_path, capsys):

@@ -154,13 +154,17 @@ def load_release(run_dir: Path) -> VocabRelease | None:
     return VocabRelease(list(d["words"]), np.asarray(d["noisy_counts"], dtype=np.float64), dict(d["mechanism"]))
 
 
-def run_release(data_cfg: Any, run_dir: Path, *, noise_seed: int) -> VocabRelease:
+def run_release(data_cfg: Any, run_dir: Path, *, noise_seed: int, resumed: bool = False) -> VocabRelease:
     """The run's DP vocabulary: loaded from ``run_dir`` when it holds one (resume, canary runs), else drawn with the
-    generator of ``vocab_seed(noise_seed)`` and written there (atomically) before anything uses it."""
+    generator of ``vocab_seed(noise_seed)`` and written there (atomically) before anything uses it. A ``resumed``
+    run without it is refused: the ledger charges one draw, and the seed may be new (lost ``private/``)."""
     found = load_release(run_dir)
     if found is not None:
         _check_matches(found, data_cfg, run_dir)
         return found
+    if resumed:
+        raise ConfigError(f"{run_dir / RELEASE_FILE}: missing, so the run's DP vocabulary is lost (a new draw would "
+                          "be a second release, and the weights belong to the first); start a new run directory")
     gen = rng.generator(vocab_seed(noise_seed))
     release = draw_release(data_cfg, generator=gen)
     write_json(run_dir / RELEASE_FILE, release.to_json())

@@ -93,7 +93,8 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
     engine = make_engine(cfg, out, device=device, resumed=ckpt is not None)
     writer = engine.is_writer  # (False: a rank > 0 of a distributed run)
     if writer:
-        built = task.build(cfg, out, device=device, data=data, noise_seed=engine.prefix_seed)
+        built = task.build(cfg, out, device=device, data=data, noise_seed=engine.prefix_seed,
+                           resumed=ckpt is not None)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     else:  # the task's files are rank 0's to write
         with tempfile.TemporaryDirectory(prefix="widedp-rank-") as scratch:

@@ -25,8 +25,8 @@ class LoopTask:
     def check(self, cfg: Any, *, private: bool) -> None:
         pass
 
-    def build(self, cfg: Any, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None
-              ) -> Built:
+    def build(self, cfg: Any, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None,
+              resumed: bool = False) -> Built:
         raise NotImplementedError
 
     def shape(self, cfg: Any) -> Shape:

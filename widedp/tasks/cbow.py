@@ -142,13 +142,13 @@ def build_cbow(cfg: Config, out: Path, *, device: torch.device, data: CBOWData |
     return splits, model
 
 
-def cbow_data(cfg: Config, out: Path, *, data: CBOWData | None, noise_seed: int | None
+def cbow_data(cfg: Config, out: Path, *, data: CBOWData | None, noise_seed: int | None, resumed: bool = False
               ) -> tuple[CBOWData, vocab_dp.VocabRelease | None]:
     """The run's CBOW data and its DP vocabulary release (``data.vocabulary: dp``: drawn once per run with the
     generator of ``noise_seed``, the run's secret one, and kept in RUN/; see ``widedp.dp.vocab``)."""
     release = None
     if noise_seed is not None:
-        release = vocab_dp.run_release(cfg.data, out, noise_seed=noise_seed)
+        release = vocab_dp.run_release(cfg.data, out, noise_seed=noise_seed, resumed=resumed)
         if data is None:
             data = prepare_cbow(cfg.data, vocab=release.vocab(corpus_mod.load_corpus(cfg.data)))
         elif list(data.vocab) != release.words:
@@ -170,9 +170,9 @@ class CBOWTask(LoopTask):
             raise ConfigError("data.negatives_pool: not with dp.preselect (the pool's rows would be updated outside "
                               "the pre-selected rows)")
 
-    def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None
-              ) -> Built:
-        data, release = cbow_data(cfg, out, data=data, noise_seed=noise_seed)
+    def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None,
+              resumed: bool = False) -> Built:
+        data, release = cbow_data(cfg, out, data=data, noise_seed=noise_seed, resumed=resumed)
         splits, model = build_cbow(cfg, out, device=device, data=data)
         return Built(splits, model, {"vocabulary": release.mechanism} if release is not None else {})
 

@@ -206,8 +206,8 @@ class ModuleTask(LoopTask):
         if not private and cfg.train.optimizer == "sparse_adam":
             raise ConfigError("train.optimizer: sparse_adam is not available for task module; use sgd or adam")
 
-    def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None
-              ) -> Built:
+    def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None,
+              resumed: bool = False) -> Built:
         d, m = cfg.data, cfg.model
         collate = resolve("data.collate", d.collate) if d.collate is not None else default_collate
         sets = _splits(data if data is not None else call("data.factory", d.factory, d.kwargs))

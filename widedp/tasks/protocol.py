@@ -61,11 +61,13 @@ class Task(Protocol):
     def check(self, cfg: Any, *, private: bool) -> None:
         """ConfigError for what this task cannot train (before anything is written)."""
 
-    def build(self, cfg: Any, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None
-              ) -> Built:
+    def build(self, cfg: Any, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None,
+              resumed: bool = False) -> Built:
         """Splits and model on ``device``; files the run directory needs (vocab.json, ...). ``data``: prepared
         data to use (canaries, a sweep's shared corpus); ``noise_seed``: the run's secret seed for what the build
-        releases before the first step (the DP vocabulary: ``RunBudget.vocabulary``), None when it releases nothing."""
+        releases before the first step (the DP vocabulary: ``RunBudget.vocabulary``), None when it releases nothing;
+        ``resumed``: the run directory holds a checkpoint, so what the build releases must be there already (a second
+        draw would be a second, uncharged release)."""
 
     def shape(self, cfg: Any) -> Shape:
         """n, rows (and the train split for units) without training."""

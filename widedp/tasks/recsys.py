@@ -74,8 +74,8 @@ class RecsysTask(LoopTask):
             raise ConfigError("train.optimizer: sparse_adam is not available for recsys (its MLP is dense); use adam "
                               "with model.sparse: false, or sgd")
 
-    def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None
-              ) -> Built:
+    def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None,
+              resumed: bool = False) -> Built:
         """Splits (tensors on ``device``) and the model; writes ``out/features.json`` and ``out/ids.json``."""
         data = data if data is not None else prepare_interactions(cfg.data)
         splits = {k: RecsysSplit(getattr(data, k), device) for k in ("train", "valid", "test")}
