@@ -61,7 +61,17 @@ def test_widedp_train_cli_end_to_end(corpus, tmp_path, capsys):
     assert p["unit"].startswith("document chunk") and "5-10 consecutive filtered tokens" in p["unit"]
     assert p["accountant"] == "PLD" and p["delta"] == 1e-5
     assert any("vocabulary" in x for x in p["not_covered"]) and any("size n" in x for x in p["not_covered"])
-    assert printed["privacy"] == p["text"]
+    assert printed["privacy"] == p["text"] and not any("max_docs" in x for x in p["not_covered"])
+
+
+def test_a_positional_cut_is_not_covered(corpus, tmp_path):
+    from widedp.config import config_from_dict
+    from widedp.tasks.glm import not_covered
+
+    raw = _raw(corpus, tmp_path, {"name": "dpsgd", "epsilon": 1.0})
+    raw["data"]["max_docs"] = 7
+    assert "data.max_docs: 7: the corpus is cut to its first 7 documents by position" in not_covered(
+        config_from_dict(raw))
 
 
 @pytest.mark.parametrize("algo", [

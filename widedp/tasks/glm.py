@@ -52,7 +52,8 @@ def not_covered(cfg: Config) -> tuple[str, ...]:
     return (f"the vocabulary (the top-{cfg.data.vocab_size} words of the training chunks by count)",
             "the label set and the train/valid/test split (stratified by all documents' labels)",
             "the training-set size n (published; treated as public: it sets noise scales, denominators, sampling "
-            "rates)")
+            "rates)") + ((f"data.max_docs: {cfg.data.max_docs}: the corpus is cut to its first {cfg.data.max_docs} "
+                          "documents by position",) if cfg.data.max_docs else ())
 
 
 def unit_of(cfg: Config) -> str:
