@@ -195,6 +195,12 @@ def test_poisson_chunk_memory_is_o_batch_sizes(n, q):
     assert sum(storages.values()) <= 8 * total + 64 * len(storages)
 
 
+def test_batch_sizes_are_exact_for_large_n_and_rates():
+    """Binomial(n, q) in float64: n = 2^24 + 1 is not rounded to 2^24 (float32 was)."""
+    n = 2**24 + 1
+    assert PoissonSampler(n, sampling_rate=1.0, seed=0)._sizes(torch.Generator().manual_seed(0)).eq(n).all()
+
+
 def test_shuffled_batches_cover_each_epoch_once():
     s = ShuffledBatches(103, batch_size=10, seed=0)
     assert s.steps_per_epoch == 11

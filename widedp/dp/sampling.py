@@ -47,10 +47,15 @@ class PoissonSampler:
     def _draw_chunk(self, chunk: int) -> list[Tensor]:
         """The chunk's batches: views into one [sum m] tensor on ``device``."""
         g = _gen(self.seed, chunk, self.device)
-        counts = torch.binomial(torch.full((_CHUNK,), float(self.n)), torch.full((_CHUNK,), self.q), generator=g)
-        counts = counts.long()
+        counts = self._sizes(g)
         flat = uniform_subsets(counts, self.n, generator=g)
         return list(torch.split(flat.to(self.device, non_blocking=True), counts.tolist()))
+
+    def _sizes(self, g: torch.Generator) -> Tensor:
+        """[_CHUNK] int64 Binomial(n, q) batch sizes. In float64: float32 rounds n above 2^24 (2^24 + 1 -> 2^24) and
+        q to 24 bits, which is then not the q the accountant charges."""
+        n, q = (torch.full((_CHUNK,), v, dtype=torch.float64) for v in (float(self.n), self.q))
+        return torch.binomial(n, q, generator=g).long()
 
 
 def uniform_subsets(counts: Tensor, n: int, *, generator: torch.Generator) -> Tensor:
