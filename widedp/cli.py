@@ -159,7 +159,7 @@ def _run(args: argparse.Namespace) -> int:
         keys = ("train_loss", "valid_loss", "test_loss", "steps", "samples_per_s") + get_task(cfg.task).summary_keys
         print(json.dumps({k: summary.get(k) for k in keys} | {"run_dir": str(run_dir)}
                          | ({"epsilon": summary["dp"]["epsilon"]} if summary.get("dp") else {})
-                         | {"privacy": summary["privacy"]["text"]}, ensure_ascii=False))
+                         | {"privacy": summary["privacy"]["text"], "notice": LOSSES_NOTICE}, ensure_ascii=False))
         _say_privacy(summary["privacy"])
         return 0
     if args.cmd == "epsilon":
@@ -216,6 +216,11 @@ def _run_config(run_dir: Path) -> Config:
     except ConfigError as e:
         msg = str(e)
         raise ConfigError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+
+
+#: beside the losses ``widedp train`` prints: they are computed on the private data, outside the privacy statement
+LOSSES_NOTICE = ("the losses are NON-PRIVATE diagnostics (computed on the private data without DP) for whoever holds "
+                 "it; the release is what `widedp export` writes")
 
 
 def _say_privacy(privacy: dict) -> None:

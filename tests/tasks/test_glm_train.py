@@ -62,6 +62,7 @@ def test_widedp_train_cli_end_to_end(corpus, tmp_path, capsys):
     assert p["accountant"] == "PLD" and p["delta"] == 1e-5
     assert any("vocabulary" in x for x in p["not_covered"]) and any("size n" in x for x in p["not_covered"])
     assert printed["privacy"] == p["text"] and not any("max_docs" in x for x in p["not_covered"])
+    assert printed["notice"].startswith("the losses are NON-PRIVATE diagnostics")
 
 
 def test_a_positional_cut_is_not_covered(corpus, tmp_path):
