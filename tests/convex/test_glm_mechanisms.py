@@ -176,6 +176,15 @@ def test_frank_wolfe_converges_nonprivately():
     assert glm.mean_loss(torch.zeros_like(w), data) - f_star > 0.2
 
 
+def test_frank_wolfe_refuses_steps_outside_its_bound():
+    """eta > 1 leaves the ball: s_t would turn negative, and a negative noise scale gave the exact argmax."""
+    for eta in (0.0, 1.5):
+        with pytest.raises(ValueError, match="step eta must be in"):
+            frank_wolfe.sensitivities(iterations=4, n=84, eta=eta, radius=2.0, first_batch_fraction=0.5)
+    with pytest.raises(ValueError, match="noise_scale must be >= 0"):
+        frank_wolfe.l1_ball_oracle(torch.ones(3, 2), radius=1.0, noise_scale=-0.5, generator=torch.Generator())
+
+
 def test_frank_wolfe_gradient_sensitivity_bound():
     """Replaying the iterates of dataset D on D + one sample: ||grad_t - grad'_t||_inf <= s_t for every t."""
     data = _rows(n=84)

@@ -115,6 +115,7 @@ def test_chunking_and_split():
     ({"name": "frank_wolfe", "epsilon": 1.0, "noise": "cauchy"}, "algorithm.noise: expected one of"),
     ({"name": "sgd"}, "algorithm.name: expected one of"),
     ({"name": "numeric_sparse", "epsilon": 1.0, "release_share": 1.5}, "algorithm.release_share: must be in (0, 1)"),
+    ({"name": "frank_wolfe", "epsilon": 1.0, "step": 1.5}, "algorithm.step: Frank-Wolfe's step is a convex weight"),
 ])
 def test_config_errors_are_one_line(algo, msg):
     with pytest.raises(ConfigError) as e:

@@ -133,7 +133,7 @@ class GLMAlgorithmConfig:
     - dp_agd: iterations (nominal T), clip (C_grad, per-sample L2), loss_clip (C_obj), nmax_share (share of a step's
       budget spent on NoisyMax), gamma (budget growth when no step helps), step_candidates, step_max (initial
       largest step), step_window (tau: steps between step-set updates).
-    - frank_wolfe: iterations (T), radius (l1 ball), step (constant eta; 0 = 1/sqrt(T)), noise (laplace |
+    - frank_wolfe: iterations (T), radius (l1 ball), step (constant eta in (0, 1]; 0 = 1/sqrt(T)), noise (laplace |
       gumbel oracle), first_batch_fraction.
     - output_perturbation: l2_reg (lambda), mechanism (gaussian | laplace), sparsity (s of the poster's Laplace
       formula, reported only; 0 = (chunk_tokens + 1) * K), radius (R of the feasible L2 ball X; 0 = L / lambda),
@@ -214,6 +214,9 @@ class GLMAlgorithmConfig:
                 raise ConfigError(f"algorithm.{key}: must be >= 0, got {v}")
         if self.name == "frank_wolfe" and self.radius == 0:
             raise ConfigError("algorithm.radius: the l1 ball of frank_wolfe needs a radius > 0")
+        if self.step is not None and self.step > 1:
+            raise ConfigError(f"algorithm.step: Frank-Wolfe's step is a convex weight in (0, 1] (0 = 1/sqrt(T)), got "
+                              f"{self.step}")
         for key in ("nmax_share", "first_batch_fraction", "measurement_ratio", "release_share"):
             v = getattr(self, key)
             if v is not None and not 0 < v < 1:

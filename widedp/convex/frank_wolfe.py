@@ -54,6 +54,8 @@ def l1_ball_oracle(grad: torch.Tensor, *, radius: float, noise_scale: float = 0.
 
     Returns the vertex as a dense tensor shaped like ``grad`` (exactly one nonzero, +-radius).
     """
+    if not noise_scale >= 0:  # a negative (or NaN) scale would silently give the exact, noiseless argmax
+        raise ValueError(f"noise_scale must be >= 0, got {noise_scale}")
     flat = grad.reshape(-1).double()
     scores = torch.cat([-radius * flat, radius * flat])  # vertex +r e_j scores -r g_j; -r e_j scores +r g_j
     if noise_scale > 0:
@@ -83,7 +85,10 @@ def vr_update(grad: torch.Tensor, w: torch.Tensor, w_prev: torch.Tensor, batch: 
 
 def sensitivities(*, iterations: int, n: int, eta: float, radius: float, first_batch_fraction: float,
                   lipschitz: float = glm.LIPSCHITZ_LINF, smooth: float = glm.SMOOTH_L1) -> list[float]:
-    """[T] the l_inf sensitivity s_t of grad_t (see the module docstring); also b1, b are derived from n."""
+    """[T] the l_inf sensitivity s_t of grad_t (see the module docstring); also b1, b are derived from n. The bound
+    needs 0 < eta <= 1: the iterates then stay convex combinations inside the ball."""
+    if not 0 < eta <= 1:
+        raise ValueError(f"Frank-Wolfe's step eta must be in (0, 1], got {eta}")
     b1 = first_batch_fraction * n
     b = (1.0 - first_batch_fraction) * n / max(iterations - 1, 1)
     rho = eta
