@@ -1,8 +1,9 @@
 """Brown category classification data: documents -> token chunks -> sparse bag-of-words rows + labels, cached.
 
 Pipeline: each document's tokens are filtered like the CBOW corpus (lowercase, alphabetic, NLTK stop words out);
-the documents are split train/valid/test (stratified by label, seeded; by document so that no document has chunks
-on both sides, or by chunk with ``split_by: chunk``); each filtered token stream is cut into ``chunk_tokens``-token
+the documents are split train/valid/test (record-local, ``widedp.data_prep.splits``: by a key of each document
+alone — Brown's file id, a text line's label and tokens — so that no document has chunks on both sides, or by a key
+of each chunk's label and words with ``split_by: chunk``); each filtered token stream is cut into ``chunk_tokens``-token
 chunks (a trailing chunk shorter than ``min_chunk_tokens`` is dropped); the vocabulary is the ``vocab_size`` most
 frequent words of the TRAINING chunks only; a chunk's row is weighted counts over the vocabulary (``tf``, ``log``
 = log(1+tf), ``binary``) plus a constant ``bias_feature`` column (the last column), normalised to unit ``l2`` (default)
@@ -11,10 +12,12 @@ keep only the bias feature (or are all zero without one).
 
 Privacy unit (what the GLM task's epsilon protects, add/remove): one row = one chunk with its document's label
 (``chunk_tokens: 0``: one whole document). Each row is weighted and normalised by its OWN counts and norm, so no
-training-set statistic enters the features; the vocabulary (train-chunk counts), the label set and the stratified
-split are computed from the data outside the privacy ledger (``widedp.tasks.glm.not_covered``).
+training-set statistic enters the features; the vocabulary (train-chunk counts) and the label set are computed from
+the data outside the privacy ledger (``widedp.tasks.glm.not_covered``). The split is 1-stable: adding or removing a
+chunk moves no other chunk between the splits — except a text corpus split by document, whose document key is its
+whole text (the statement says so).
 
-Cache: ``<cache_dir>/brown-glm-v1-<key>.npz`` (the CSR arrays of the three splits) + ``.json`` (vocabulary, labels).
+Cache: ``<cache_dir>/brown-glm-v2-<key>.npz`` (the CSR arrays of the three splits) + ``.json`` (vocabulary, labels).
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ import numpy as np
 
 from widedp.config.glm import GLMDataConfig
 from widedp.data_prep import corpus as corpus_mod
+from widedp.data_prep import splits as splits_mod
 from widedp.errors import ConfigError
 
-_FORMAT = 1
+_FORMAT = 2  # 2: record-local splits
 
 #: Brown's 15 categories in 4 groups (``labels: group``).
 BROWN_GROUPS: dict[str, str] = {
@@ -74,8 +78,9 @@ class GLMData:
 # ------------------------------------------------------------------------------------------------------ reading
 
 
-def read_documents(cfg: GLMDataConfig) -> tuple[list[list[str]], list[str]]:
-    """Raw token lists and labels of the corpus's documents (Brown: one file = one document)."""
+def read_documents(cfg: GLMDataConfig) -> tuple[list[list[str]], list[str], list[str] | None]:
+    """Raw token lists, labels and names (Brown: the file ids, one file = one document; a text corpus: None) of the
+    corpus's documents."""
     if cfg.corpus == "brown":
         brown = corpus_mod._nltk_corpus("brown")
         fids = brown.fileids()
@@ -85,7 +90,7 @@ def read_documents(cfg: GLMDataConfig) -> tuple[list[list[str]], list[str]]:
         labels = [brown.categories(f)[0] for f in fids]
         if cfg.labels == "group":
             labels = [BROWN_GROUPS[c] for c in labels]
-        return docs, labels
+        return docs, labels, list(fids)
     path = Path(cfg.corpus[5:]).expanduser()
     docs, labels = [], []
     try:
@@ -102,35 +107,26 @@ def read_documents(cfg: GLMDataConfig) -> tuple[list[list[str]], list[str]]:
         docs.append(corpus_mod.TOKEN_RE.findall(text))
         if cfg.max_docs and len(docs) >= cfg.max_docs:
             break
-    return docs, labels
+    return docs, labels, None
 
 
 # ------------------------------------------------------------------------------------------------------ building
 
 
-def split_documents(labels: Sequence[str], fractions: Sequence[float], seed: int) -> np.ndarray:
-    """[N] split id (0 train, 1 valid, 2 test, -1 unused) per item, stratified by label, seeded.
+def document_keys(docs: Sequence[Sequence[str]], labels: Sequence[str], names: Sequence[str] | None, *,
+                  seed: int) -> np.ndarray:
+    """[N] uint64 record-local split key of each document (``widedp.data_prep.splits``): its name when it has one
+    (Brown's file id: adding or removing one of its chunks keeps the key), else its label and raw tokens (and the
+    number of identical documents before it)."""
+    blobs = ([n.encode() for n in names] if names is not None else
+             ["\x1f".join([lab, *d]).encode() for d, lab in zip(docs, labels)])
+    return splits_mod.blob_keys(blobs, seed=seed, purpose="glm-document")
 
-    Per label with m items: round(f_valid m) valid, round(f_test m) test (at least one each when the fraction is
-    > 0 and m >= 3), the train share of the rest; left-overs (fractions summing < 1) are unused.
-    """
-    rng = np.random.default_rng(seed)
-    out = np.full(len(labels), -1, dtype=np.int64)
-    lab = np.asarray(labels)
-    for c in sorted(set(labels)):
-        idx = np.flatnonzero(lab == c)
-        rng.shuffle(idx)
-        m = len(idx)
-        n_va = int(round(fractions[1] * m))
-        n_te = int(round(fractions[2] * m))
-        if m >= 3:
-            n_va = max(n_va, int(fractions[1] > 0))
-            n_te = max(n_te, int(fractions[2] > 0))
-        n_tr = min(m - n_va - n_te, int(round(fractions[0] * m)) if sum(fractions) < 1 - 1e-9 else m)
-        out[idx[:n_tr]] = 0
-        out[idx[n_tr:n_tr + n_va]] = 1
-        out[idx[n_tr + n_va:n_tr + n_va + n_te]] = 2
-    return out
+
+def chunk_keys(chunks: Sequence[Sequence[str]], labels: Sequence[str], *, seed: int) -> np.ndarray:
+    """[M] uint64 record-local split key of each chunk (``split_by: chunk``): its label and words."""
+    return splits_mod.blob_keys(["\x1f".join([lab, *c]).encode() for c, lab in zip(chunks, labels)], seed=seed,
+                                purpose="glm-chunk")
 
 
 def chunk(ids: np.ndarray, size: int, min_size: int) -> list[np.ndarray]:
@@ -170,7 +166,8 @@ def featurize(chunks: Sequence[np.ndarray], remap: np.ndarray, cfg: GLMDataConfi
     return np.asarray(indptr, np.int64), cat(indices, np.int64), cat(values, np.float64)
 
 
-def build_glm_data(docs: Sequence[Sequence[str]], labels: Sequence[str], cfg: GLMDataConfig) -> GLMData:
+def build_glm_data(docs: Sequence[Sequence[str]], labels: Sequence[str], cfg: GLMDataConfig,
+                   names: Sequence[str] | None = None) -> GLMData:
     """Everything after reading: filter, split, chunk, vocabulary (train only), features."""
     if not docs:
         raise ConfigError(f"data.corpus: no documents in {cfg.corpus}")
@@ -183,9 +180,11 @@ def build_glm_data(docs: Sequence[Sequence[str]], labels: Sequence[str], cfg: GL
     if not items:
         raise ConfigError(f"data.chunk_tokens: no chunk of >= {cfg.min_chunk_tokens} tokens in {cfg.corpus}")
     if cfg.split_by == "document":
-        which = split_documents(labels, cfg.splits, cfg.seed)[[d for d, _ in items]]
+        keys = document_keys(docs, labels, names, seed=cfg.seed)[[d for d, _ in items]]
     else:
-        which = split_documents([labels[d] for d, _ in items], cfg.splits, cfg.seed)
+        keys = chunk_keys([[str(corp.words[i]) for i in c] for _, c in items], [labels[d] for d, _ in items],
+                          seed=cfg.seed)
+    which = splits_mod.assign(keys, splits_mod.split_rates(cfg.splits, len(items), what="chunks"))
     train_chunks = [c for (_, c), s in zip(items, which) if s == 0]
     if not train_chunks:
         raise ConfigError("data.splits: the train split is empty")
@@ -199,7 +198,7 @@ def build_glm_data(docs: Sequence[Sequence[str]], labels: Sequence[str], cfg: GL
     remap[order] = np.arange(cfg.vocab_size)
     splits = []
     for s in range(3):
-        sel = [i for i in range(len(items)) if which[i] == s]
+        sel = splits_mod.members(which, keys, s).tolist()  # in key order (chunks of a document: in its order)
         ip, ix, vals = featurize([items[i][1] for i in sel], remap, cfg, vocab_size=cfg.vocab_size)
         splits.append(CSRSplit(ip, ix, vals, y_doc[[items[i][0] for i in sel]].astype(np.int64)))
     return GLMData([str(corp.words[i]) for i in order], classes, cfg.bias_feature > 0, *splits)
@@ -214,8 +213,8 @@ def prepare_glm(cfg: GLMDataConfig) -> GLMData:
     stem = root / f"brown-glm-v{_FORMAT}-{cfg.cache_key()}" if root is not None else None
     if stem is not None and (cached := _load(stem)) is not None:
         return cached
-    docs, labels = read_documents(cfg)
-    data = build_glm_data(docs, labels, cfg)
+    docs, labels, names = read_documents(cfg)
+    data = build_glm_data(docs, labels, cfg, names)
     if stem is not None:
         _save(stem, data)
     return data

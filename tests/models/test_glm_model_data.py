@@ -10,7 +10,8 @@ import torch
 
 from widedp.config import config_from_dict
 from widedp.config.glm import GLMDataConfig
-from widedp.data_prep.brown_glm import build_glm_data, chunk, prepare_glm, split_documents
+from widedp.data_prep.brown_glm import build_glm_data, chunk, chunk_keys, document_keys, prepare_glm
+from widedp.data_prep.splits import assign
 from widedp.errors import ConfigError
 from widedp.models import glm
 from widedp.tasks.glm import to_rows
@@ -81,14 +82,14 @@ def test_builder_tiny_corpus(tmp_path):
         lab, text = line.split("\t")
         docs.append(text.split())
         labels.append(lab)
-    which = split_documents(labels, cfg.splits, cfg.seed)
+    which = assign(document_keys(docs, labels, None, seed=cfg.seed), cfg.splits)
     held_out_unique = {d[-1] for d, s in zip(docs, which) if s != 0}
-    assert not (held_out_unique & set(data.vocab))
-    # rows: unit L2 norm, last column = bias; labels stratified (every class in every split)
+    assert held_out_unique and not (held_out_unique & set(data.vocab))
+    # rows: unit L2 norm, last column = bias
     for split in (data.train, data.valid, data.test):
         rows = to_rows(split, num_features=data.num_features, num_classes=3, dtype=torch.float64)
         assert torch.allclose(rows.row_norms(2.0), torch.ones(len(rows), dtype=torch.float64))
-        assert set(split.labels.tolist()) == {0, 1, 2}
+        assert len(split) and set(split.labels.tolist()) <= {0, 1, 2}
         assert np.all(split.indices[split.indptr[1:] - 1] == 28)
     # cached: a second call reads the same arrays
     again = prepare_glm(cfg)
@@ -104,8 +105,32 @@ def test_chunking_and_split():
     assert [len(c) for c in chunk(ids, 10, 5)] == [10, 10]
     assert [len(c) for c in chunk(ids, 10, 3)] == [10, 10, 3]
     assert [len(c) for c in chunk(ids, 0, 1)] == [23]
-    which = split_documents(["a"] * 10 + ["b"] * 5, (0.6, 0.2, 0.2), 0)
-    assert (which[:10] == 0).sum() == 6 and (which[10:] == 1).sum() == 1 and (which[10:] == 2).sum() == 1
+
+
+def test_adding_or_removing_a_unit_moves_no_other_record(tmp_path):
+    """Record-local GLM splits: one document (whole-document units) or one chunk (split_by: chunk) added or removed
+    leaves every other record's split as it was (the stratified, seeded shuffle moved ~100 chunks)."""
+    rng = np.random.default_rng(0)
+    docs = [list(rng.choice(["a", "b", "c", "d", "e"], 6)) for _ in range(300)]
+    labels = [str(x) for x in rng.integers(0, 3, 300)]
+    names = [f"f{i:03d}" for i in range(300)]
+
+    def split_of(keys):
+        return assign(keys, (0.6, 0.2, 0.2))
+
+    for drop in (0, 150, 299):
+        keep = [i for i in range(300) if i != drop]
+        for by_name in (names, None):
+            full = split_of(document_keys(docs, labels, by_name, seed=3))
+            less = split_of(document_keys([docs[i] for i in keep], [labels[i] for i in keep],
+                                          None if by_name is None else [names[i] for i in keep], seed=3))
+            assert np.array_equal(full[keep], less)
+        full = split_of(chunk_keys(docs, labels, seed=3))
+        less = split_of(chunk_keys([docs[i] for i in keep], [labels[i] for i in keep], seed=3))
+        assert np.array_equal(full[keep], less)
+    # a chunk added to a named document keeps its key: the document's chunks stay where they were
+    assert document_keys(docs, labels, names, seed=3)[7] == document_keys(
+        [docs[7] + ["f"]], [labels[7]], [names[7]], seed=3)[0]
 
 
 @pytest.mark.parametrize("algo, msg", [

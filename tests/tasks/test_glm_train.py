@@ -65,7 +65,7 @@ def test_widedp_train_cli_end_to_end(corpus, tmp_path, capsys):
     assert printed["notice"].startswith("the losses are NON-PRIVATE diagnostics")
 
 
-def test_a_positional_cut_is_not_covered(corpus, tmp_path):
+def test_what_the_statement_does_not_cover(corpus, tmp_path):
     from widedp.config import config_from_dict
     from widedp.tasks.glm import not_covered
 
@@ -73,6 +73,12 @@ def test_a_positional_cut_is_not_covered(corpus, tmp_path):
     raw["data"]["max_docs"] = 7
     assert "data.max_docs: 7: the corpus is cut to its first 7 documents by position" in not_covered(
         config_from_dict(raw))
+    # a text document's key is its whole text: with chunk units split by document, the statement says so
+    assert any("a document's split key is its whole text" in x for x in not_covered(config_from_dict(raw)))
+    raw["data"]["split_by"] = "chunk"
+    assert not any("split key" in x for x in not_covered(config_from_dict(raw)))
+    assert not any("split key" in x for x in not_covered(config_from_dict({"task": "glm", "algorithm": {
+        "name": "dpsgd", "epsilon": 1.0}})))  # Brown: file ids
 
 
 @pytest.mark.parametrize("algo", [

@@ -50,8 +50,9 @@ class GLMDataConfig(TokenFilter):
         bias_feature: value of a constant feature appended before normalisation (0 = no bias feature).
         labels: ``category`` (Brown's 15) | ``group`` (4 groups: press A-C, misc non-fiction D-G, learned/government
             H/J, fiction K-R; Brown only).
-        splits: fractions (train, valid, test) of the documents of each label (stratified) or, with
-            ``split_by: chunk``, of the chunks.
+        splits: fractions (train, valid, test) of the documents or, with ``split_by: chunk``, of the chunks:
+            record-local (each document or chunk's split comes from a key of its own, ``widedp.data_prep.splits``;
+            sizes are Binomial).
         max_docs: keep only the first N documents (0 = all) — for smoke runs.
         lowercase, alpha_only, remove_stopwords: token filters (``TokenFilter``, as the cbow task's).
     """

@@ -49,11 +49,15 @@ from widedp.run.summary import DIAGNOSTICS_NOTICE
 
 def not_covered(cfg: Config) -> tuple[str, ...]:
     """What the GLM's epsilon does not cover: computed from the private data outside the ledger, or published."""
-    return (f"the vocabulary (the top-{cfg.data.vocab_size} words of the training chunks by count)",
-            "the label set and the train/valid/test split (stratified by all documents' labels)",
+    d = cfg.data
+    return (f"the vocabulary (the top-{d.vocab_size} words of the training chunks by count)",
+            "the label set (the classes the corpus has)",
             "the training-set size n (published; treated as public: it sets noise scales, denominators, sampling "
-            "rates)") + ((f"data.max_docs: {cfg.data.max_docs}: the corpus is cut to its first {cfg.data.max_docs} "
-                          "documents by position",) if cfg.data.max_docs else ())
+            "rates)") + ((f"data.max_docs: {d.max_docs}: the corpus is cut to its first {d.max_docs} documents by "
+                          "position",) if d.max_docs else ()) + (
+        ("data.split_by: document on a text corpus: a document's split key is its whole text, so a chunk added to or "
+         "removed from a document can move that document's other chunks between the splits",)
+        if d.split_by == "document" and d.chunk_tokens and d.corpus != "brown" else ())
 
 
 def unit_of(cfg: Config) -> str:
