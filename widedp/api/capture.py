@@ -45,6 +45,7 @@ class Table:
     name: str
     weight: nn.Parameter
     offset: int
+    padding_idx: int | None = None  # a row no lookup trains (torch keeps it fixed): the update leaves it as it is
 
     @property
     def num_rows(self) -> int:
@@ -106,6 +107,7 @@ class Capture:
         self.model = model
         self.records: list[Record] = []
         self.enabled = True
+        self.independence_checked = False  # ``widedp.api.per_sample.check_independent`` has passed once
         self._handles: list[Any] = []
         self._ec_queue: dict[int, list[Tensor]] = {}  # inner nn.Embedding of an EmbeddingCollection -> sample maps
         self._off: set[int] = set()  # lookups running with their weight's requires_grad switched off
@@ -121,6 +123,9 @@ class Capture:
                 self._handles.append(m.register_forward_pre_hook(self._ebc_pre))
         for m in dense_modules:
             self._handles.append(m.register_forward_hook(self._dense_post, with_kwargs=True))
+        for m in model.modules():  # with or without trainable parameters: training mode uses batch statistics
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                self._handles.append(m.register_forward_pre_hook(self._batchnorm_pre))
         self._names = {id(m): n for n, m in model.named_modules()}
 
     # ------------------------------------------------------------------------------------------------ discovery
@@ -136,9 +141,12 @@ class Capture:
             _check_table_module(name, m)
             t = by_weight.get(id(m.weight))
             if t is None:
-                t = by_weight[id(m.weight)] = Table(name, m.weight, offset)
+                t = by_weight[id(m.weight)] = Table(name, m.weight, offset, m.padding_idx)
                 tables.append(t)
                 offset += t.num_rows
+            elif t.padding_idx != m.padding_idx:
+                raise UnsupportedModelError(f"{name}: shares {t.name}'s weight with another padding_idx "
+                                            f"({m.padding_idx} vs {t.padding_idx})")
             table_of[id(m)] = t
         if not tables:
             raise UnsupportedModelError("no trainable nn.Embedding / nn.EmbeddingBag / torchrec table in the model: "
@@ -185,8 +193,18 @@ class Capture:
     def _recording(self, m: nn.Module) -> bool:
         return self.enabled and m.training and torch.is_grad_enabled()
 
+    def label(self, r: Record) -> str:
+        """The name of what record ``r`` recorded: its table, or its module."""
+        return r.table.name if r.table is not None else self._label(r.module) if r.module is not None else "?"
+
     def _label(self, m: nn.Module) -> str:
         return self._names.get(id(m), type(m).__name__)
+
+    def _batchnorm_pre(self, m: nn.Module, args: tuple[Any, ...]) -> None:
+        if m.training:
+            raise UnsupportedModelError(f"{self._label(m)}: batch normalisation in training mode mixes the samples of "
+                                        "a batch (and writes their statistics into its buffers, outside DP); use "
+                                        "nn.LayerNorm or nn.GroupNorm, or keep it in eval mode with fixed statistics")
 
     def _ebc_pre(self, m: nn.Module, args: tuple[Any, ...]) -> None:
         kjt = args[0] if args else None

@@ -13,7 +13,9 @@ rows are ``dp_step``'s always rows: selected every step at no selection cost, cl
 Per-sample gradients: table entries ``go[src] * scale`` summed per (sample, row) (``widedp.dp.rowgrads.coalesce``);
 ``nn.Linear`` in closed form (go^T x per sample, inputs [B, ..., in]); any other layer by ``torch.func``
 (vmap over the batch of the gradient of <layer(x_j), go_j>): both need the per-sample loss to be a sum over
-samples with each sample's loss depending on its own inputs only.
+samples with each sample's loss depending on its own inputs only. ``losses_and_rows`` checks that once
+(``check_independent``: a second backward with per-sample weights v must give v_j times each output row's gradient
+of sample j); the hook path (the user's own backward) cannot.
 """
 
 from __future__ import annotations
@@ -95,10 +97,57 @@ def losses_and_rows(capture: Capture, layout: Layout, loss_fn: Any, batch: Any) 
     if not isinstance(loss, Tensor) or loss.dim() != 1:
         raise ValueError(f"loss_fn must return the [B] per-sample losses (reduction='none'), got "
                          f"{getattr(loss, 'shape', type(loss))}")
+    weighted = None
+    if not capture.independence_checked and loss.shape[0] >= 2 and loss.requires_grad:
+        weighted = _weighted_grads(capture, layout, loss)
     loss.sum().backward()
+    if weighted is not None:
+        check_independent(capture, *weighted)
     g = collect(capture, layout, batch=loss.shape[0])
     clear_grads(layout)  # the non-private summed gradient backward left on dense parameters
     return loss.detach(), g
+
+
+def _weighted_grads(capture: Capture, layout: Layout, loss: Tensor) -> tuple[Tensor, list[Tensor | None]]:
+    """(v, each record's d(Σ_j v_j ℓ_j)/d(output)) for fixed random weights v [B] in [0.5, 1.5): a backward through
+    the records' own hooks (so an output modified in place is seen at the version the lookup returned) that keeps
+    the graph for the main one; it leaves no gradient behind."""
+    gen = torch.Generator().manual_seed(0)  # any fixed weights: the check needs no secret
+    v = (torch.rand(loss.shape[0], generator=gen, dtype=torch.float64) + 0.5).to(loss.device, loss.dtype)
+    loss.backward(v, retain_graph=True)
+    weighted = [r.go for r in capture.records]
+    for r in capture.records:
+        r.go = None
+    clear_grads(layout)
+    return v, weighted
+
+
+def check_independent(capture: Capture, v: Tensor, weighted: list[Tensor | None], *, rtol: float = 1e-4) -> None:
+    """Refuse samples that interact. When sample j's loss depends on sample j's inputs only, the gradient of
+    Σ_j v_j ℓ_j at each output row of sample j is v_j times that of Σ_j ℓ_j (``go``); a batch statistic, in-batch
+    negatives, a batch-level loss term or a lookup that is not batch first (one row per sample) breaks it, and the
+    per-sample gradients of one backward would be wrong."""
+    for r, gv in zip(capture.records, weighted):
+        if gv is None or r.go is None or r.batch != v.shape[0]:  # (another batch size: refused by ``collect``)
+            continue
+        if r.table is not None:  # output rows -> their sample (rows no kept entry reads stay -1: not checked)
+            d = r.table.dim
+            gv, go = gv.reshape(-1, d), r.go.reshape(-1, d)
+            owner = torch.full((go.shape[0],), -1, dtype=torch.long, device=go.device)
+            owner[r.src] = r.sample
+            keep = owner >= 0
+            gv, want = gv[keep], v[owner[keep]].unsqueeze(1) * go[keep]
+        else:
+            want = v.reshape(-1, *([1] * (r.go.dim() - 1))) * r.go
+        if not want.numel():
+            continue
+        err = float((gv - want).abs().max())
+        if not err <= rtol * float(want.abs().max()) + 1e-7:
+            raise UnsupportedModelError(f"{capture.label(r)}: a sample's loss depends on other samples' outputs of "
+                                        f"this layer (max error {err:.3g}): samples interact (batch statistics, "
+                                        "in-batch negatives, a batch-level loss term, or a lookup that is not one row "
+                                        "per sample), so per-sample gradients would be wrong")
+    capture.independence_checked = True
 
 
 def empty_rows(layout: Layout, device: torch.device) -> PerSampleRows:
@@ -149,8 +198,9 @@ def per_sample_rows(records: list[Record], layout: Layout, *, batch: int, scale:
 
 def check_dense_sums(dense: Tensor, layout: Layout, *, rtol: float = 1e-3) -> None:
     """Each dense parameter's per-sample gradients ``dense`` [B, A·D] must add up to the gradient the backward left in
-    ``p.grad`` (when it left one): otherwise the parameter was read outside its module's forward, the loss has a
-    term that is not a sum over samples, or samples interact, and the per-sample gradients would be wrong."""
+    ``p.grad`` (when it left one): otherwise the parameter was read outside its module's forward or the loss has a
+    term that is not a sum over samples, and the per-sample gradients would be wrong. (Samples that interact can
+    still add up: ``check_independent`` is the check for them.)"""
     total, at = dense.sum(0), 0
     for name, p in layout.dense:
         mine, at = total[at : at + p.numel()], at + p.numel()
@@ -158,10 +208,10 @@ def check_dense_sums(dense: Tensor, layout: Layout, *, rtol: float = 1e-3) -> No
             continue
         ref = p.grad.reshape(-1).to(mine.dtype)
         err = float((mine - ref).abs().max()) if ref.numel() else 0.0
-        if err > rtol * float(ref.abs().max()) + 1e-6:
+        if not err <= rtol * float(ref.abs().max()) + 1e-6:  # (a NaN error fails too)
             raise UnsupportedModelError(f"{name}: its per-sample gradients do not add up to its gradient (max error "
                                         f"{err:.3g}): it is read outside its module's forward, or the loss has a term "
-                                        "that is not a sum of per-sample losses, or samples interact")
+                                        "that is not a sum of per-sample losses")
 
 
 def _table_entries(records: list[Record], layout: Layout, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -192,10 +242,16 @@ def _dense_rows(records: list[Record], layout: Layout, batch: int, device: torch
         at += p.numel()
     for r in records:
         if r.module is not None and r.go is not None:
-            grads = _linear(r.module, r.args[0], r.go) if type(r.module) is nn.Linear else _functional(r, batch)
+            grads = _linear(r.module, r.args[0], r.go) if _plain_linear(r.module) else _functional(r, batch)
             for key, g in grads.items():
                 where[key].add_(g.reshape(batch, -1))
     return out
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    """An ``nn.Linear`` whose weight and bias are its own parameters (not computed, e.g. by ``weight_norm``)."""
+    return type(m) is nn.Linear and m._parameters.get("weight") is m.weight and (
+        m.bias is None or m._parameters.get("bias") is m.bias)
 
 
 def _linear(m: nn.Linear, x: Tensor, go: Tensor) -> dict[int, Tensor]:
@@ -222,8 +278,14 @@ def _functional(r: Record, batch: int) -> dict[int, Tensor]:
         one = tuple(a.unsqueeze(0) if d == 0 else a for a, d in zip(args, dims))  # type: ignore[union-attr]
         return (functional_call(m, p, one) * go.unsqueeze(0)).sum()
 
-    grads = vmap(grad(inner), in_dims=(None, dims, 0))(params, r.args, r.go)
-    return {id(getattr(m, n)): g for n, g in grads.items()}
+    try:
+        grads = vmap(grad(inner), in_dims=(None, dims, 0))(params, r.args, r.go)
+    except RuntimeError as e:  # random ops, data-dependent control flow, in-place buffer updates, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsupportedModelError(f"{type(m).__name__}: torch.func cannot compute its per-sample gradients ({first}"
+                                    "); a layer with parameters must be a deterministic function of its own "
+                                    "inputs (move dropout and data-dependent branches outside it)") from None
+    return {id(m._parameters[n]): g for n, g in grads.items()}
 
 
 def with_always_rows(tab: PerSampleRows, dense: Tensor, *, num_rows: int) -> PerSampleRowsWithDense:

@@ -103,9 +103,12 @@ class Updater:
         for i, (t, opt, spec) in enumerate(zip(lay.tables, self.rows, self.specs)):
             a, b = cuts[i], cuts[i + 1]
             opt.lr = self._lr(spec)
-            if b > a:
-                v = values[a:b, : t.dim].to(t.weight.dtype)
-                opt.step(SparseRows(rows[a:b] - t.offset, v, t.num_rows))
+            local, v = rows[a:b] - t.offset, values[a:b, : t.dim]
+            if t.padding_idx is not None:  # a public, data-independent mask: post-processing of the noisy rows
+                keep = local != t.padding_idx % t.num_rows
+                local, v = local[keep], v[keep]
+            if local.numel():
+                opt.step(SparseRows(local, v.to(t.weight.dtype), t.num_rows))
         if lay.dense:
             buf = values.new_zeros(lay.always_rows, lay.dim)
             a, b = cuts[-2], cuts[-1]
