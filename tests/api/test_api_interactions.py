@@ -150,3 +150,18 @@ def test_padding_rows_stay_fixed_under_dp_noise():
         eng.step(batch, lambda b: ce(model, b))
     assert eng.steps == 10 and not torch.equal(model.emb.weight[1:], before[1:])
     assert torch.equal(model.emb.weight[0], before[0])  # torch keeps the padding row; so does the DP update
+
+
+def test_a_non_finite_sample_is_no_interaction():
+    """A sample whose loss is NaN (its gradient too) is the step's to zero, not a reason to refuse the model."""
+    torch.manual_seed(3)
+    model = Pooled()
+    eng, data, _ = private(model)
+
+    def nan_first(b):
+        scale = torch.ones(len(b[0]))
+        scale[0] = float("nan")
+        return ce(model, b) * scale
+
+    loss, g = eng.per_sample_grads(collate(data[:5]), nan_first)
+    assert loss[0].isnan() and loss[1:].isfinite().all() and eng._capture.independence_checked

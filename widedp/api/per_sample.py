@@ -102,7 +102,7 @@ def losses_and_rows(capture: Capture, layout: Layout, loss_fn: Any, batch: Any) 
         weighted = _weighted_grads(capture, layout, loss)
     loss.sum().backward()
     if weighted is not None:
-        check_independent(capture, *weighted)
+        check_independent(capture, *weighted, torch.isfinite(loss.detach()))
     g = collect(capture, layout, batch=loss.shape[0])
     clear_grads(layout)  # the non-private summed gradient backward left on dense parameters
     return loss.detach(), g
@@ -122,11 +122,13 @@ def _weighted_grads(capture: Capture, layout: Layout, loss: Tensor) -> tuple[Ten
     return v, weighted
 
 
-def check_independent(capture: Capture, v: Tensor, weighted: list[Tensor | None], *, rtol: float = 1e-4) -> None:
+def check_independent(capture: Capture, v: Tensor, weighted: list[Tensor | None], finite: Tensor, *,
+                      rtol: float = 1e-4) -> None:
     """Refuse samples that interact. When sample j's loss depends on sample j's inputs only, the gradient of
     Σ_j v_j ℓ_j at each output row of sample j is v_j times that of Σ_j ℓ_j (``go``); a batch statistic, in-batch
     negatives, a batch-level loss term or a lookup that is not batch first (one row per sample) breaks it, and the
-    per-sample gradients of one backward would be wrong."""
+    per-sample gradients of one backward would be wrong. Samples with a non-finite loss (``finite`` [B] False) and
+    non-finite entries are left out: the step gives such a sample no weight (``widedp.dp.clipping``)."""
     for r, gv in zip(capture.records, weighted):
         if gv is None or r.go is None or r.batch != v.shape[0]:  # (another batch size: refused by ``collect``)
             continue
@@ -135,10 +137,12 @@ def check_independent(capture: Capture, v: Tensor, weighted: list[Tensor | None]
             gv, go = gv.reshape(-1, d), r.go.reshape(-1, d)
             owner = torch.full((go.shape[0],), -1, dtype=torch.long, device=go.device)
             owner[r.src] = r.sample
-            keep = owner >= 0
+            keep = (owner >= 0) & finite[owner.clamp_min(0)]
             gv, want = gv[keep], v[owner[keep]].unsqueeze(1) * go[keep]
         else:
-            want = v.reshape(-1, *([1] * (r.go.dim() - 1))) * r.go
+            gv, want = gv[finite], (v.reshape(-1, *([1] * (r.go.dim() - 1))) * r.go)[finite]
+        ok = torch.isfinite(gv) & torch.isfinite(want)
+        gv, want = gv[ok], want[ok]
         if not want.numel():
             continue
         err = float((gv - want).abs().max())
@@ -207,8 +211,10 @@ def check_dense_sums(dense: Tensor, layout: Layout, *, rtol: float = 1e-3) -> No
         if p.grad is None:
             continue
         ref = p.grad.reshape(-1).to(mine.dtype)
+        if not bool(torch.isfinite(ref).all() & torch.isfinite(mine).all()):
+            continue  # a non-finite sample (the step gives it no weight) leaves nothing to compare
         err = float((mine - ref).abs().max()) if ref.numel() else 0.0
-        if not err <= rtol * float(ref.abs().max()) + 1e-6:  # (a NaN error fails too)
+        if err > rtol * float(ref.abs().max()) + 1e-6:
             raise UnsupportedModelError(f"{name}: its per-sample gradients do not add up to its gradient (max error "
                                         f"{err:.3g}): it is read outside its module's forward, or the loss has a term "
                                         "that is not a sum of per-sample losses")
