@@ -37,6 +37,9 @@ def test_smoke_sweep_end_to_end(tmp_path, brown_cache, capsys):
     assert nonpriv["train_loss"]["mean"] < nonpriv["initial_valid_loss"]["mean"] - 0.5  # it trained
     md = (out / "results.md").read_text()
     assert "| non-private | 2 |" in md and "| dp-sgd | 1 |" in md
+    # every ε of the table comes with its statement: δ, unit, accountant, what it does not cover
+    dp_statement = json.loads((out / "dp-sgd" / "seed0" / "summary.json").read_text())["privacy"]["text"]
+    assert f"- dp-sgd: {dp_statement}" in md and "δ=" in dp_statement and "- non-private: " in md
     printed = capsys.readouterr().out
     assert "| dp-sgd | 1 |" in printed
     # resume-safe: a second call trains nothing (summaries untouched) and rewrites the same table

@@ -354,6 +354,9 @@ def results_markdown(rows: list[dict[str, Any]], title: str) -> str:
             f"{_fmt(r['noise_multiplier'], 4, pm=False) if r['private'] else '–'} | "
             f"{_fmt(r['steps'], 0, pm=False)} | {_fmt(r['wall_s'], 1, pm=False)} | "
             f"{_fmt(r['samples_per_s'], 0, pm=False)} |")
+    lines += ["", "Privacy statements (each run's first seed: its ε with δ, the unit, the accountant and what it does "
+              "not cover):", ""]
+    lines += [f"- {r['name']}: {r.get('privacy') or ('not private' if not r['private'] else '–')}" for r in rows]
     return "\n".join(lines) + "\n"
 
 
