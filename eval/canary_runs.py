@@ -167,11 +167,11 @@ def canary_training_data(cfg: Config, canaries: list[list[str]], *, n_c: int, in
 
 
 def train_canary_run(cfg: Config, run_dir: Path, *, label: str, n_c: int, num_canaries: int, seed: int,
-                     progress: bool = False) -> Path:
+                     progress: bool = False, overwrite: bool = False) -> Path:
     """Train ``cfg`` with ``num_canaries`` canaries inserted ``n_c`` times each into ``run_dir``.
 
     A run directory that already holds the same canaries and a checkpoint of the same config is resumed (a finished
-    one returns at once after its final evaluation).
+    one returns at once after its final evaluation); one that holds another run is replaced only with ``overwrite``.
     """
     from widedp.run.train import train
 
@@ -184,20 +184,27 @@ def train_canary_run(cfg: Config, run_dir: Path, *, label: str, n_c: int, num_ca
             run_cfg, data, info = _canary_setup(cfg, vocab=release.vocab(_corpus(cfg)), **kw)
             resume = _can_resume(run_dir, info)
         if not resume:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            rundir.prepare(run_dir, resume=False, overwrite=True)  # a new run draws its own vocabulary now
+            _replace(run_dir, overwrite)  # a new run draws its own vocabulary now
             release = _draw_run_vocabulary(cfg, run_dir)
             run_cfg, data, info = _canary_setup(cfg, vocab=release.vocab(_corpus(cfg)), **kw)
     else:
         run_cfg, data, info = _canary_setup(cfg, vocab=None, **kw)
         resume = _can_resume(run_dir, info)
         if not resume:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            rundir.prepare(run_dir, resume=False, overwrite=True)  # a run with other canaries or config is replaced
+            _replace(run_dir, overwrite)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / CANARIES_FILE, info)
     train(run_cfg, run_dir, resume=resume, progress=progress, data=data)
     return run_dir
+
+
+def _replace(run_dir: Path, overwrite: bool) -> None:
+    """Start ``run_dir`` afresh: refused when it holds a run (other canaries or config), unless ``overwrite``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if rundir.holds_run(run_dir) and not overwrite:
+        raise ConfigError(f"{run_dir}: holds a canary run with other canaries or another config; rerun with "
+                          "--overwrite to replace it (its checkpoint and spent-budget journal are then deleted)")
+    rundir.prepare(run_dir, resume=False, overwrite=True)
 
 
 def _corpus(cfg: Config) -> Any:

@@ -98,6 +98,8 @@ def _canary_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of every CONFIG (repeatable)")
     k.add_argument("--no-plot", action="store_true", help="no canary_ranks.png")
+    k.add_argument("--overwrite", action="store_true", help="replace a run directory that holds a run with other "
+                   "canaries or another config (its checkpoint and spent-budget journal are deleted)")
     k.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -242,7 +244,10 @@ def _canary(args: argparse.Namespace) -> int:
         from widedp.config import load_config
 
         cfgs = [(Path(p).stem.removeprefix("canary_"), load_config(p, args.overrides)) for p in args.configs]
-        for _, cfg in cfgs:
+        for p, (_, cfg) in zip(args.configs, cfgs):
+            if cfg.task != "cbow":
+                raise ConfigError(f"{p}: canary needs task cbow (it inserts word sequences into the corpus), got "
+                                  f"task {cfg.task}")
             cr.check_vocab(cfg.data.vocab_size)
         progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
         dirs = []
@@ -250,7 +255,7 @@ def _canary(args: argparse.Namespace) -> int:
             for nc in args.nc:
                 print(f"widedp canary: training {label} with n_c={nc} into {out / label / f'nc{nc}'}", file=sys.stderr)
                 dirs.append(cr.train_canary_run(cfg, out / label / f"nc{nc}", label=label, n_c=nc, num_canaries=num,
-                                                seed=args.seed, progress=progress))
+                                                seed=args.seed, progress=progress, overwrite=args.overwrite))
     else:
         dirs = [Path(d) for d in args.runs]
     runs = [cr.load_canary_run(d, device=args.device) for d in dirs]  # all errors before the first evaluation

@@ -189,6 +189,13 @@ def test_dp_run_with_canaries(trained, tmp_path):
                  "--set", dp, "--set", "train.max_steps=30", "--out", str(tmp_path), "--no-plot"]) == 0
     (run,) = json.loads((tmp_path / "canary.json").read_text())["runs"]
     assert run["private"] and run["epsilon"] > 0 and len(run["canaries"]["rank"]) == 10
+    # the same folder with another config: the finished run (and its spent budget) is kept unless --overwrite
+    run_dir = tmp_path / "tiny" / "nc3"
+    spent = (run_dir / "checkpoint.pt").read_bytes()
+    again = ["canary", str(cfg), "--nc", "3", "--num-canaries", "10", "--num-candidates", "100", "--bins", "5",
+             "--set", dp, "--set", "train.max_steps=20", "--out", str(tmp_path), "--no-plot"]
+    assert main(again) == 2 and (run_dir / "checkpoint.pt").read_bytes() == spent
+    assert main([*again, "--overwrite"]) == 0 and (run_dir / "checkpoint.pt").read_bytes() != spent
 
 
 def test_train_split_is_clean_size_plus_every_canary_sample(trained):

@@ -155,6 +155,8 @@ CASES = {
                     "not both"),
     "canary nc 0": (lambda t, b: ["canary", str(b / "good.yaml"), "--nc", "0", "--out", str(t / "c")], "--nc"),
     "canary nc a word": (lambda t, b: ["canary", "--runs", str(t), "--nc", "x"], "invalid int value"),
+    "canary not cbow": (lambda t, b: ["canary", "configs/brown_glm_dp_agd.yaml", "--out", str(t / "c")],
+                        "canary needs task cbow"),
     "canary runs not canary runs": (lambda t, b: ["canary", "--runs", str(_run_copy(t, b)), "--out",
                                                   str(t / "c")], "canar"),
     # ------------------------------------------------------------------------------------------------ compare
