@@ -138,6 +138,9 @@ class Tiny(nn.Module):
         self.emb = nn.Embedding(7, 2)
     def forward(self, batch):
         return self.emb(batch[0]).sum(-1)   # [B, 1]: not the [B] per-sample losses
+
+def int_loss(model, batch):
+    return model.emb(batch[0]).sum((1, 2)).long()
 '''
 
 
@@ -153,6 +156,11 @@ class Tiny(nn.Module):
       "model.kwargs={}", "model.loss=null", "dp.selection.k=4", "train.batch_size=10"],
      "model.factory (its forward): must return the [B] per-sample losses"),
     (["model.factory=not a reference"], "model.factory: expected 'package.module:function'"),
+    (["model.loss=user_mod:data"], "model.loss: user_mod:data(n=40) cannot be called as f(model, batch)"),
+    (["data.collate=os:getcwd"], "data.collate: os:getcwd() cannot be called as f(items)"),
+    (["data.factory=user_mod:data", "data.kwargs={}", "data.collate=null", "model.factory=user_mod:Tiny",
+      "model.kwargs={}", "model.loss=user_mod:int_loss", "dp.selection.k=4", "train.batch_size=10"],
+     "model.loss: must return floating-point per-sample losses, got torch.int64"),
     (["model.kwargs={1: 2}"], "model.kwargs: keys are keyword-argument names"),
     (["dp.engine=opacus", "dp.selection={name: all}", "dp.clip2=null", "train.optimizer=sgd"],
      "dp.engine: opacus is the DP-SGD baseline of task cbow"),

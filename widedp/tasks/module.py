@@ -14,6 +14,7 @@ the module's own ``state_dict``.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,9 @@ NOT_COVERED = ("anything data.factory or model.factory compute from the private 
                "(e.g. a vocabulary, an id -> row mapping, the split)",)
 
 
-def resolve(key: str, ref: str) -> Callable[..., Any]:
-    """The function ``ref`` (``package.module:function``) names; one-line ConfigError naming ``key`` otherwise."""
+def resolve(key: str, ref: str, *, takes: tuple[str, ...] | None = None) -> Callable[..., Any]:
+    """The function ``ref`` (``package.module:function``) names; one-line ConfigError naming ``key`` otherwise
+    (also when it cannot be called with the positional arguments ``takes``)."""
     mod_name, _, attr = ref.partition(":")
     try:
         obj: Any = importlib.import_module(mod_name)
@@ -50,6 +52,15 @@ def resolve(key: str, ref: str) -> Callable[..., Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise ConfigError(f"{key}: {ref} is a {type(obj).__name__}, not a function or class")
+    if takes is not None:
+        try:
+            sig = inspect.signature(obj)
+        except (TypeError, ValueError):  # a builtin without a signature: trusted
+            return obj
+        try:
+            sig.bind(*takes)
+        except TypeError:
+            raise ConfigError(f"{key}: {ref}{sig} cannot be called as f({', '.join(takes)})") from None
     return obj
 
 
@@ -109,10 +120,12 @@ class ModuleModel:
 
     def __call__(self, batch: Any) -> Tensor:
         loss = self.module(batch) if self._loss is None else self._loss(self.module, batch)
+        key = "model.factory (its forward)" if self._loss is None else "model.loss"
         if not isinstance(loss, Tensor) or loss.dim() != 1:
-            key = "model.factory (its forward)" if self._loss is None else "model.loss"
             raise ConfigError(f"{key}: must return the [B] per-sample losses (reduction='none'), got "
                               f"{tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__}")
+        if not loss.is_floating_point():
+            raise ConfigError(f"{key}: must return floating-point per-sample losses, got {loss.dtype}")
         return loss
 
     def parameters(self) -> Any:
@@ -209,7 +222,7 @@ class ModuleTask(LoopTask):
     def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None,
               resumed: bool = False) -> Built:
         d, m = cfg.data, cfg.model
-        collate = resolve("data.collate", d.collate) if d.collate is not None else default_collate
+        collate = resolve("data.collate", d.collate, takes=("items",)) if d.collate is not None else default_collate
         sets = _splits(data if data is not None else call("data.factory", d.factory, d.kwargs))
         splits = {k: DatasetSplit(s, collate, device) for k, s in zip(("train", "valid", "test"), sets)}
         with torch.random.fork_rng():  # the init is public: seeded by train.seed, the global RNG left as it was
@@ -217,7 +230,7 @@ class ModuleTask(LoopTask):
             module = call("model.factory", m.factory, m.kwargs)
         if not isinstance(module, nn.Module):
             raise ConfigError(f"model.factory: must return a torch.nn.Module, got {type(module).__name__}")
-        loss = resolve("model.loss", m.loss) if m.loss is not None else None
+        loss = resolve("model.loss", m.loss, takes=("model", "batch")) if m.loss is not None else None
         return Built(splits, ModuleModel(module.to(device), loss))
 
     def privacy(self, cfg: Config) -> UnitFacts:
