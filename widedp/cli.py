@@ -123,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # stdout closed early (`widedp epsilon ... | head`): stop quietly, as `yes | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:  # the machine's side: a read-only or full disk, a file where a folder should be, ...
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"widedp: error: {where}{e.strerror or e} (what was written before is kept)", file=sys.stderr)
+        return 1
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -214,3 +214,14 @@ def test_a_failed_new_run_removes_only_what_it_wrote(base, tmp_path, capsys):
     assert "calibration" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == [".lock", "notes.txt"]
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_the_machine_s_errors_are_one_line_exit_1(base, tmp_path, capsys):
+    """A file where a folder should be (a cache folder, an export target): one line naming the path, exit 1."""
+    (tmp_path / "afile").write_text("x")
+    assert main(_good(tmp_path, base, f"data.cache_dir={tmp_path / 'afile' / 'sub'}")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"widedp: error: {tmp_path / 'afile' / 'sub'}: Not a directory (what was written before is kept)"
+    assert main(["export", str(base / "done"), "--out", str(tmp_path / "afile" / "rel")]) == 1
+    (line,) = [x for x in capsys.readouterr().err.strip().splitlines() if "error" in x]
+    assert line.startswith("widedp: error: ") and str(tmp_path / "afile") in line and "Traceback" not in line

@@ -6,6 +6,7 @@ Checkpoints hold tensors, numbers, strings, lists and dicts only, and are read w
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -34,8 +35,15 @@ def _atomic_write(path: Path, write: Any) -> None:
 
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
-    """Write ``run_dir/checkpoint.pt`` atomically (temp file + fsync + rename)."""
-    _atomic_write(run_dir / CHECKPOINT, lambda f: torch.save(state, f))
+    """Write ``run_dir/checkpoint.pt`` atomically (temp file + fsync + rename); the previous one stays on failure."""
+    def write(f: Any) -> None:
+        try:
+            torch.save(state, f)
+        except RuntimeError as e:  # torch's writer reports a full disk as "[enforce fail at ...]"
+            raise OSError(errno.EIO, f"cannot write the checkpoint ({str(e).splitlines()[0]})",
+                          str(run_dir / CHECKPOINT)) from None
+
+    _atomic_write(run_dir / CHECKPOINT, write)
 
 
 def load_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
