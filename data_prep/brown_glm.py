@@ -241,5 +241,5 @@ def _load(stem: Path) -> GLMData | None:
             splits = [CSRSplit(*(z[f"{n}_{k}"] for k in ("indptr", "indices", "values", "labels")))
                       for n in ("train", "valid", "test")]
         return GLMData(meta["vocab"], meta["classes"], bool(meta["has_bias"]), *splits)
-    except (OSError, ValueError, KeyError):
+    except corpus_mod.DAMAGED:  # damaged entry: rebuild
         return None

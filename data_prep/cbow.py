@@ -282,5 +282,5 @@ def _load(npz_path: Path, vocab_path: Path) -> CBOWData | None:
             counts = z["counts"]
             counts = counts.astype(np.int64) if counts.dtype.kind in "iu" else counts.astype(np.float64)
             return CBOWData(vocab, counts, *splits, total_samples=int(z["total_samples"]), inserted=inserted)
-    except (OSError, ValueError, KeyError):  # damaged entry: rebuild
+    except corpus_mod.DAMAGED:  # damaged entry: rebuild
         return None

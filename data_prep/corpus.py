@@ -14,6 +14,7 @@ import math
 import os
 import re
 import uuid
+import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -332,6 +333,10 @@ def _corpus_cache_path(cfg: DataConfig) -> Path | None:
     return root / f"corpus-{digest}.npz"
 
 
+#: what reading a damaged (truncated, overwritten) cache file raises: the entry is then rebuilt
+DAMAGED = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
+
+
 def _load_cached(path: Path) -> Corpus | None:
     if not path.is_file():
         return None
@@ -339,7 +344,7 @@ def _load_cached(path: Path) -> Corpus | None:
         with np.load(path, allow_pickle=False) as z:
             return Corpus(z["words"], z["ids"].astype(np.int64), z["offsets"].astype(np.int64),
                           z["documents"].astype(np.int64))
-    except (OSError, ValueError, KeyError):  # a damaged cache file is rebuilt
+    except DAMAGED:  # a damaged cache file is rebuilt
         return None
 
 

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from widedp.config.recsys import RecsysDataConfig
+from widedp.data_prep import corpus as corpus_mod
 from widedp.data_prep import splits as splits_mod
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysBatch, make_kjt
@@ -97,8 +98,8 @@ class RecsysSplit:
 def prepare_interactions(cfg: RecsysDataConfig) -> InteractionData:
     """Build (or load from ``cfg.cache_dir``) the splits of ``cfg``."""
     cache = Path(cfg.cache_dir).expanduser() / f"recsys-{cfg.cache_key()}-v{_FORMAT}.npz" if cfg.cache_dir else None
-    if cache is not None and cache.is_file():
-        return _load(cache)
+    if cache is not None and cache.is_file() and (cached := _load(cache)) is not None:
+        return cached
     raw: dict[str, np.ndarray] | None = None
     user: np.ndarray | None = None
     if cfg.source == "synthetic":
@@ -310,10 +311,15 @@ def _save(path: Path, data: InteractionData) -> None:
     tmp.replace(path)
 
 
-def _load(path: Path) -> InteractionData:
-    with np.load(path) as z:
-        card = json.loads(z["cardinality"].tobytes().decode())
-        ids = json.loads(z["ids"].tobytes().decode()) if "ids" in z.files else None
-        parts = [Interactions({k: z[f"{s}/f/{k}"] for k in card}, z[f"{s}/label"],
-                              z[f"{s}/user"] if f"{s}/user" in z.files else None) for s in ("train", "valid", "test")]
+def _load(path: Path) -> InteractionData | None:
+    """The cached arrays, or None for a damaged file (then rebuilt)."""
+    try:
+        with np.load(path) as z:
+            card = json.loads(z["cardinality"].tobytes().decode())
+            ids = json.loads(z["ids"].tobytes().decode()) if "ids" in z.files else None
+            parts = [Interactions({k: z[f"{s}/f/{k}"] for k in card}, z[f"{s}/label"],
+                                  z[f"{s}/user"] if f"{s}/user" in z.files else None)
+                     for s in ("train", "valid", "test")]
+    except corpus_mod.DAMAGED:
+        return None
     return InteractionData(card, *parts, ids=ids)

@@ -205,6 +205,22 @@ def test_cache_hit_does_not_read_the_corpus(tmp_path: Path, monkeypatch: pytest.
         prepare_cbow(dataclasses.replace(cfg, seed=5))
 
 
+def test_truncated_cache_files_are_rebuilt(tmp_path: Path) -> None:
+    """A cut-off npz (a killed writer on another tool, a full disk) is a miss, not a BadZipFile traceback."""
+    from widedp.config.recsys import RecsysDataConfig
+    from widedp.data_prep.interactions import prepare_interactions
+
+    cfg = tiny_cfg(tmp_path, cache_dir=str(tmp_path / "cache"), negatives=3)
+    first = prepare_cbow(cfg)
+    rcfg = RecsysDataConfig(num_users=20, num_items=30, num_interactions=300, cache_dir=str(tmp_path / "cache"))
+    inter = prepare_interactions(rcfg)
+    for f in (tmp_path / "cache").glob("*.npz"):
+        f.write_bytes(f.read_bytes()[:200])
+    again = prepare_cbow(cfg)
+    assert np.array_equal(again.train.target, first.train.target) and again.vocab == first.vocab
+    assert np.array_equal(prepare_interactions(rcfg).train.label, inter.train.label)
+
+
 def test_corpus_cache_serves_other_vocab_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = str(tmp_path / "cache")
     cfg = tiny_cfg(tmp_path, cache_dir=cache, vocab_size=4)

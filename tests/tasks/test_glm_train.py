@@ -112,6 +112,9 @@ def test_dp_section_is_rejected(corpus, tmp_path):
     raw = _raw(corpus, tmp_path, {"name": "nonprivate"}) | {"dp": dp}
     with pytest.raises(ConfigError, match="^dp: task glm takes its privacy parameters in algorithm"):
         train(config_from_dict(raw), tmp_path / "run", progress=False)
+    # a partial dp: (as --set dp.clip1=1 makes) is refused for what it is, not for a missing selection key
+    with pytest.raises(ConfigError, match="^dp: task glm takes its privacy parameters in algorithm"):
+        config_from_dict(raw | {"dp": {"clip1": 1.0}})
 
 
 # ------------------------------------------------------------------------------------------- randomness secrecy

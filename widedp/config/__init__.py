@@ -292,6 +292,8 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     data_cls, model_cls, presets, algo_cls = _task_types(task)
     sections = {"task", "data", "model", "train", "dp"} | ({"algorithm"} if algo_cls else set())
     no_unknown("", raw, sections)
+    if algo_cls is not None and raw.get("dp") is not None:
+        raise ConfigError(f"dp: task {task} takes its privacy parameters in algorithm: (epsilon, delta, accountant)")
     data_raw = section(raw, "data")
     if presets:
         preset = data_raw.get("preset", next(iter(presets)))
