@@ -86,6 +86,10 @@ def test_kill_9_then_resume_matches_uninterrupted_run(tmp_path):
     a = json.loads((ref / "summary.json").read_text())
     b = json.loads((crashed / "summary.json").read_text())
     assert a["steps"] == b["steps"] == 3000
+    # metrics: what was logged after the checkpoint is logged once, by the resumed run
+    logged = [json.loads(x) for x in (crashed / "metrics.jsonl").read_text().splitlines()]
+    intervals = [r["step"] for r in logged if r["kind"] == "interval"]
+    assert intervals == sorted(set(intervals)) and intervals[-1] == 3000
     assert a["dp"]["ledger"] == b["dp"]["ledger"]  # nothing forgotten, nothing counted twice
     assert a["dp"]["epsilon"] == b["dp"]["epsilon"]
     ma = torch.load(ref / "checkpoint.pt", weights_only=True)["model"]

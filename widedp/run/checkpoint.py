@@ -62,6 +62,12 @@ def write_json(path: Path, obj: Any, *, indent: int | None = 2) -> None:
     _atomic_write(path, lambda f: f.write(data))
 
 
+def write_text(path: Path, text: str) -> None:
+    """Write UTF-8 text atomically."""
+    data = text.encode()
+    _atomic_write(path, lambda f: f.write(data))
+
+
 def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())

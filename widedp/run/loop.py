@@ -32,7 +32,7 @@ from widedp.config import Config
 from widedp.errors import ConfigError
 from widedp.run import ranks
 from widedp.run import summary as run_summary
-from widedp.run.checkpoint import load_checkpoint, save_checkpoint, write_json
+from widedp.run.checkpoint import load_checkpoint, save_checkpoint, write_json, write_text
 from widedp.run.engines import Engine, make_engine
 from widedp.run.plots import plot_losses
 from widedp.tasks.protocol import Task
@@ -69,6 +69,22 @@ def epoch_record(engine: Engine, splits: dict[str, Any], tc: Any, epoch: int, st
     model.train()
     rec.update(engine.epsilons())
     return rec
+
+
+def drop_metrics_after(path: Path, step: int) -> None:
+    """On resume: drop the metrics lines logged after the checkpoint's ``step`` (the resumed run logs them again) and
+    a line the kill cut short."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step):
+            keep.append(line + "\n")
+    write_text(path, "".join(keep))
 
 
 def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, data: Any = None) -> dict[str, Any]:
@@ -118,6 +134,8 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
         engine.load_state_dict(ckpt)
         step, history, elapsed, best = ckpt["step"], ckpt["history"], ckpt["elapsed"], ckpt.get("best", {})
     total, per_epoch = engine.total, engine.per_epoch
+    if ckpt is not None and writer:
+        drop_metrics_after(out / "metrics.jsonl", step)
     metrics = (out / "metrics.jsonl").open("a") if writer else open(os.devnull, "w")  # noqa: SIM115
 
     def log(rec: dict[str, Any]) -> None:
