@@ -71,6 +71,12 @@ def _resume(tmp, base, rel, data, name="unfinished"):
     return ["train", "--resume", str(_run_copy(tmp, base, name, (rel, data))), "--no-progress"]
 
 
+def _no_checkpoint(tmp, base):
+    d = _run_copy(tmp, base, "unfinished")
+    (d / "checkpoint.pt").unlink()
+    return ["train", "--resume", str(d), "--no-progress"]
+
+
 def _sweep(tmp, base, text):
     shutil.copy(base / "good.yaml", tmp / "base.yaml")
     (tmp / "sweep.yaml").write_text(text)
@@ -122,6 +128,8 @@ CASES = {
         lambda t, b: _resume(t, b, "checkpoint.pt", (b / "unfinished" / "checkpoint.pt").read_bytes()[:300]),
         "checkpoint.pt"),
     "resume corrupted journal": (lambda t, b: _resume(t, b, "spent.json", b"{not json"), "spent.json"),
+    "resume before a checkpoint": (lambda t, b: _no_checkpoint(t, b), "stopped before its first checkpoint); start "
+                                   "it again with --overwrite"),
     "resume journal not a ledger": (lambda t, b: _resume(t, b, "spent.json", b"[1, 2, 3]"), "spent.json"),
     "resume corrupted seeds": (lambda t, b: _resume(t, b, "private/seeds.json", b"\x00\x01"), "seeds"),
     "resume seeds not seeds": (lambda t, b: _resume(t, b, "private/seeds.json", b'{"mode": 3}'), "seeds"),
