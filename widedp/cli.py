@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"widedp: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("widedp: interrupted (the last checkpoint and the spent-budget journal are kept)", file=sys.stderr)
+        print("widedp: interrupted (nothing written is lost: a checkpoint and the spent-budget journal, where there "
+              "are any, are kept)", file=sys.stderr)
         return 130
     except BrokenPipeError:  # stdout closed early (`widedp epsilon ... | head`): stop quietly, as `yes | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
