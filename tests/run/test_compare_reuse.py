@@ -7,6 +7,7 @@ import json
 import pytest
 
 from widedp.cli import main
+from widedp.errors import ConfigError
 from widedp.run.compare import load_sweep, plan
 
 WORDS = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(300))
@@ -73,6 +74,11 @@ def test_reuse_refuse_overwrite_restart_resume(sweep, tmp_path, capsys):
     assert "restarting it" in err and "resuming it from its checkpoint" in err
     kinds = [json.loads(x)["kind"] for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert kinds.count("start") == 1
+    # a finished run whose checkpoint is gone: not "reused" (then a missing-file error), rerun with --overwrite
+    (d / "checkpoint.pt").unlink()
+    with pytest.raises(ConfigError, match="a finished run whose checkpoint.pt is gone; .* --overwrite"):
+        plan(d, cfg)
+    assert plan(d, cfg, overwrite=True) == "rerun"
 
 
 def test_results_carry_the_privacy_and_panels_group_runs(sweep, tmp_path):

@@ -221,12 +221,13 @@ def plan(d: Path, cfg: Config, *, overwrite: bool = False) -> str:
     if not finished and not checkpointed:
         return "restart"
     h = recorded_hash(d)
-    if h == cfg.hash():
+    if h == cfg.hash() and checkpointed:
         return "reuse" if finished else "resume"
     if overwrite:
         return "rerun"
-    raise ConfigError(f"{d}: holds a run of another config (recorded hash {h or 'unreadable'}, this sweep's "
-                      f"{cfg.hash()}); use a new --out, or pass --overwrite to rerun it")
+    why = (f"a finished run whose {CHECKPOINT} is gone" if h == cfg.hash() else
+           f"holds a run of another config (recorded hash {h or 'unreadable'}, this sweep's {cfg.hash()})")
+    raise ConfigError(f"{d}: {why}; use a new --out, or pass --overwrite to rerun it")
 
 
 def run_sweep(sweep: Sweep, out: Path, *, progress: bool = False, overwrite: bool = False,
