@@ -139,7 +139,8 @@ def read_journal(run_dir: Path) -> accounting.Ledger | None:
     try:
         return accounting.Ledger.from_json(read_json(path))
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
     except (KeyError, TypeError, ValueError, AttributeError):
         raise ConfigError(f"{path}: not a spent-budget journal (corrupted?)") from None
 
