@@ -283,8 +283,7 @@ def read_yaml_file(path: str | Path, *, what: str) -> tuple[Any, set[str]]:
     invalid YAML or a repeated key is a ``ConfigError`` starting with the path (``what``: "config file", ...)."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"{what} not found: {path}" + (" (it is a directory)"
-                                                          if p.is_dir() else ""))
+        raise ConfigError(f"{what} not found: {path}" + (" (it is a directory)" if p.is_dir() else ""))
     try:
         data = p.read_bytes()
     except OSError as e:
