@@ -79,6 +79,8 @@ def test_round_trip_and_hash():
         ({"dp": {"selection": {"name": ["exponential"]}}}, "dp.selection.name: expected one of"),
         ({"dp": {"selection": "all"}}, "dp.selection: expected a mapping, got str 'all'"),
         ({"dp": 1}, "dp: expected a mapping, got int 1"),
+        ({"dp": {"clip1": "abc"}}, "dp.selection: not given, and the default (dp.selection: give exactly one of k or "
+                                   "gamma) fails; dp: has only clip1"),
         ({"train": 5}, "train: expected a mapping, got int 5"),
         ({"train": False}, "train: expected a mapping, got bool False"),
         ({"task": "glm", "algorithm": []}, "algorithm: expected a mapping, got list []"),

@@ -271,6 +271,7 @@ def _dp_config(dp_raw: Any) -> DPConfig | None:
     if "secure_rng" in dp_raw:
         raise ConfigError("dp.secure_rng: removed; the randomness is secret by default "
                           "(dp.rng: reproducible asks for a seeded, NOT private run)")
+    given = "selection" in dp_raw
     sel_raw = dp_raw.pop("selection", {"name": "exponential"})
     if sel_raw is None:
         raise ConfigError(f"dp.selection: is present but empty; give its name ({' | '.join(SELECTIONS)}) and keys")
@@ -281,8 +282,15 @@ def _dp_config(dp_raw: Any) -> DPConfig | None:
     refuse_renamed_method(name, sel_raw)
     pre_raw = dp_raw.pop("preselect", None)
     preselect = None if pre_raw is None else build("dp.preselect", PreselectConfig, pre_raw)
-    return build("dp", DPConfig, dp_raw, selection=build("dp.selection", SELECTIONS[name], sel_raw),
-                 preselect=preselect)
+    try:
+        selection = build("dp.selection", SELECTIONS[name], sel_raw)
+    except ConfigError as e:
+        if given:
+            raise
+        raise ConfigError(f"dp.selection: not given, and the default ({e}) fails; dp: has only "
+                          f"{', '.join(sorted(dp_raw)) or 'no keys'} (an override on a non-private config makes such a "
+                          "section: give dp.selection, or leave the config non-private)") from None
+    return build("dp", DPConfig, dp_raw, selection=selection, preselect=preselect)
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
