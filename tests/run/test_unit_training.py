@@ -109,6 +109,23 @@ def test_resume_reuses_the_vocabulary_and_counts_it_once(tmp_path, monkeypatch):
     assert not (snap / vocab_dp.RELEASE_FILE).exists() and (snap / "vocab.json").read_bytes() == vocab
 
 
+def test_the_vocabulary_is_journaled_before_it_is_drawn(tmp_path, monkeypatch):
+    """A run killed right after it wrote its DP vocabulary (before any step or checkpoint) has it in spent.json."""
+    import widedp.tasks.cbow as cbow_task
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cbow_task, "prepare_cbow", killed)  # the preparation right after the draw
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(_config(tmp_path)), run, progress=False)
+    assert vocab_dp.load_release(run) is not None and not (run / "checkpoint.pt").exists()
+    journal = accounting.Ledger.from_json(json.loads((run / "spent.json").read_text()))
+    (first, count), = journal.runs
+    assert count == 1 and first.sampling_rate == 1.0 and first.parts[0].noise_multiplier == 2.0
+
+
 def test_private_top_warns_and_says_so_pair_is_unchanged(tmp_path, capsys):
     cfg = load_config(_config(tmp_path, unit="pair", vocabulary="private_top"))
     summary = train(cfg, tmp_path / "run", progress=False)

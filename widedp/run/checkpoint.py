@@ -51,7 +51,8 @@ def load_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu") -> 
     if not path.is_file():
         if (run_dir / "config.yaml").is_file():  # a run that stopped before its first checkpoint
             raise ConfigError(f"{run_dir}: no {CHECKPOINT} (the run stopped before its first checkpoint); start it "
-                              "again with --overwrite (its spent-budget journal is then deleted)")
+                              "again with --overwrite (its spent-budget journal, and a DP vocabulary it drew, are "
+                              "then deleted)")
         raise ConfigError(f"{run_dir}: no {CHECKPOINT} (not a widedp run directory, or nothing saved yet)")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)

@@ -36,6 +36,8 @@ class PrivateEngine:
         self.prefix_seed = self.seeds.noise if self.rb.vocabulary else None
         self.unit_info: dict[str, Any] | None = None
         self._journal_floor = 0  # the journal's steps when the run resumed (it is never written lower)
+        if self.rb.vocabulary and not resumed:  # journaled before the task's build draws and writes the release
+            self._write_journal(self._prefix_ledger())
 
     def _run_seeds(self, *, resumed: bool) -> tuple[rng.RunSeeds, bool]:
         """The run's seeds and whether it replays exactly (``widedp.dp.rng.run_seeds``)."""
@@ -45,9 +47,7 @@ class PrivateEngine:
         """The privacy plan over ``n`` samples (or units): the ledger, starting with the prefix's entries (``self.rb``,
         each recorded once), sigma (or the selection's epsilon) calibrated for the whole run with the prefix, what
         each step spends, the budget cap; the noise generator."""
-        self.ledger = accounting.Ledger()
-        for p in self.rb.prefix:
-            self.ledger.add(p)
+        self.ledger = self._prefix_ledger()
         self.plan = run_budget.plan(self.cfg, self.rb, num_rows=num_rows, n=n)
         self.dp, self.spend, self.cap = self.plan.dp, self.plan.spend, self.plan.cap
         b = self.cfg.train.batch_size
@@ -59,6 +59,13 @@ class PrivateEngine:
         self.per_epoch = budget.steps_per_epoch(b, n, rate=self.dp.sampling_rate)
         self.total = budget.total_steps(self.cfg, n)
         self.noise_gen = rng.generator(self.seeds.noise, self.device)
+
+    def _prefix_ledger(self) -> accounting.Ledger:
+        """A ledger of what is spent before the first step (``self.rb.prefix``, each part once)."""
+        ledger = accounting.Ledger()
+        for p in self.rb.prefix:
+            ledger.add(p)
+        return ledger
 
     def start(self) -> dict[str, Any]:
         if self.rb.prefix:
