@@ -232,3 +232,20 @@ def test_nonfinite_sample_contributes_zero_in_the_opacus_engine():
     assert zero_nonfinite_samples(o) == int(poisoned.sum())
     for g, c in zip(gs, clean):
         assert torch.isfinite(g).all() and (g[poisoned] == 0).all() and torch.equal(g[~poisoned], c)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_widedp_epsilon_plans_what_the_opacus_run_reports(tmp_path, accountant):
+    """`widedp epsilon` of an Opacus config: Opacus' accountant (PRV for pld, RDP), as the run's summary; widedp's
+    own figure beside it."""
+    import dataclasses
+
+    from widedp.run.epsilon import epsilon_report
+
+    cfg = _cfg(_corpus(tmp_path), tmp_path / "cache", engine="opacus", sigma=1.0, seed=0, epochs=1)
+    cfg = dataclasses.replace(cfg, dp=dataclasses.replace(cfg.dp, accountant=accountant))
+    s = train(cfg, tmp_path / "run", progress=False)
+    rep = epsilon_report(cfg)
+    assert rep["epsilon"] == pytest.approx(s["dp"]["epsilon"], rel=1e-9) and rep["privacy"] == s["privacy"]["text"]
+    assert rep["epsilon_widedp"] == pytest.approx(s["dp"]["epsilon_widedp"], rel=1e-9)
+    assert rep["accountant"] == f"opacus {'prv' if accountant == 'pld' else 'rdp'}"

@@ -46,9 +46,24 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
         rep["max_samples_per_unit"] = cfg.data.max_samples_per_unit
     if rb.prefix:
         _with_prefix(rep, cfg, plan, steps)
+    accountant = dp.accountant
+    if dp.engine == "opacus":  # the run reports Opacus' own accountant: so does its plan
+        accountant = _opacus(rep, dp, budget.sampling_rate(dp, b, n_units), steps)
     st = for_run(for_config(task.privacy(cfg), cfg), epsilon=rep["epsilon"], delta=dp.delta,
-                 accountant=dp.accountant, private_rng=dp.rng == "secure")
+                 accountant=accountant, private_rng=dp.rng == "secure")
     return {"privacy": st.text} | rep
+
+
+def _opacus(rep: dict[str, Any], dp: Any, q: float, steps: int) -> str:
+    """``rep``'s epsilon by Opacus' accountant (PRV for ``dp.accountant: pld`` where it works, else RDP), as the
+    Opacus engine's summary reports it; widedp's figure stays as ``epsilon_widedp``. Returns the accountant's name."""
+    from widedp.run.engines.opacus_baseline import opacus_epsilons
+
+    e = opacus_epsilons([(dp.noise_multiplier, q, steps)] if steps else [], dp.delta)
+    acct = "prv" if dp.accountant == "pld" and e["prv"] is not None else "rdp"
+    rep.update({"epsilon_widedp": rep["epsilon"], "epsilon": e[acct], "epsilon_opacus_rdp": e["rdp"],
+                "accountant": f"opacus {acct}"})
+    return f"Opacus {acct.upper()}"
 
 
 def _with_prefix(rep: dict[str, Any], cfg: Config, plan: run_budget.DPPlan, steps: int) -> None:
