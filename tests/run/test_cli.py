@@ -35,6 +35,8 @@ def test_nonprivate_brown_smoke(tmp_path, brown_cache, capsys):
     assert [x["kind"] for x in lines][:3] == ["notice", "start", "interval"]
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["steps"] == 380
+    privacy = summary["privacy"]  # no ε, so no accountant named beside it
+    assert privacy["epsilon"] is None and privacy["accountant"] is None and privacy["text"].startswith("NOT PRIVATE")
 
 
 @pytest.mark.slow

@@ -249,3 +249,4 @@ def test_widedp_epsilon_plans_what_the_opacus_run_reports(tmp_path, accountant):
     assert rep["epsilon"] == pytest.approx(s["dp"]["epsilon"], rel=1e-9) and rep["privacy"] == s["privacy"]["text"]
     assert rep["epsilon_widedp"] == pytest.approx(s["dp"]["epsilon_widedp"], rel=1e-9)
     assert rep["accountant"] == f"opacus {'prv' if accountant == 'pld' else 'rdp'}"
+    assert f"[Opacus {'PRV' if accountant == 'pld' else 'RDP'} accountant]" in rep["privacy"]

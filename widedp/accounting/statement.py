@@ -66,6 +66,8 @@ class PrivacyStatement:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.epsilon is None:  # no ε: no accountant either
+            d["accountant"] = None
         d["not_covered"] = list(self.not_covered)
         d["includes"] = list(self.includes)
         d["text"] = self.text
@@ -90,7 +92,8 @@ def for_run(facts: UnitFacts, *, epsilon: float | None, delta: float | None, acc
 
     if epsilon is None:
         return PrivacyStatement(None, None, facts.unit, private=False, reason="trained without differential privacy")
-    return PrivacyStatement(epsilon, delta, facts.unit, accountant=accountant.upper(),
+    name = accountant.upper() if accountant.islower() else accountant  # "pld" -> "PLD"; "Opacus PRV" as it is
+    return PrivacyStatement(epsilon, delta, facts.unit, accountant=name,
                             not_covered=facts.not_covered, private=private_rng,
                             reason="" if private_rng else NOT_PRIVATE, extra=extra or {}, includes=facts.includes)
 
