@@ -105,7 +105,7 @@ class Updater:
             opt.lr = self._lr(spec)
             local, v = rows[a:b] - t.offset, values[a:b, : t.dim]
             if t.padding_idx is not None:  # a public, data-independent mask: post-processing of the noisy rows
-                keep = local != t.padding_idx % t.num_rows
+                keep = local != t.padding_idx  # (torch stores it non-negative)
                 local, v = local[keep], v[keep]
             if local.numel():
                 opt.step(SparseRows(local, v.to(t.weight.dtype), t.num_rows))

@@ -158,8 +158,6 @@ def train_glm(cfg: Config, out: Path, *, resume: bool = False, progress: bool = 
     """Train ``cfg`` (task glm) into run directory ``out``; returns the summary (also in summary.json)."""
     from widedp.data_prep.brown_glm import prepare_glm
 
-    if cfg.dp is not None:
-        raise ConfigError("dp: task glm takes its privacy parameters in algorithm: (epsilon, delta, accountant)")
     a: GLMAlgorithmConfig = cfg.algorithm
     if resume and (out / "summary.json").is_file():
         return read_json(out / "summary.json")
