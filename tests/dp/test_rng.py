@@ -115,17 +115,29 @@ def test_secure_run_resumes_exactly_from_private_state(tmp_path, monkeypatch):
     assert full["dp"]["ledger"] == resumed["dp"]["ledger"] and resumed["steps"] == 200
 
 
-def test_resume_without_private_keeps_journaled_spend(tmp_path, monkeypatch):
+def _redrawn_warning(err: str, lost: str) -> str:
+    """The one stderr line that says the lost steps' randomness is redrawn and charged again."""
+    lines = [x for x in err.splitlines() if "is missing" in x]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"widedp: warning: {lost}"), lines[0]
+    assert "drawn fresh" in lines[0] and "charged again" in lines[0] and "conservative" in lines[0]
+    return lines[0]
+
+
+def test_resume_without_private_keeps_journaled_spend(tmp_path, monkeypatch, capsys):
     cfg, run, snap, _ = _run_with_snapshot(tmp_path, monkeypatch)
     journal = accounting.Ledger.from_json(json.loads((snap / "spent.json").read_text()))
     assert journal.steps == 75  # reserved ahead of the interval [50, 75) in which the checkpoint at 60 fell
     shutil.rmtree(snap / rng.PRIVATE_DIR)  # e.g. the directory was copied without its private part
+    capsys.readouterr()
     resumed = train(cfg, snap, resume=True, progress=False)
     # fresh randomness cannot replay steps 60..75: they stay spent, on top of the 140 steps run after 60
     assert accounting.Ledger.from_json(resumed["dp"]["ledger"]).steps == 75 + 140
+    line = _redrawn_warning(capsys.readouterr().err, str(snap / rng.PRIVATE_DIR / rng.SEEDS_FILE))
+    assert "the 15 step(s) journaled after it (steps 61-75)" in line and "at step 60" in line
 
 
-def test_resume_with_seeds_but_lost_generator_states_draws_fresh_randomness(tmp_path, monkeypatch):
+def test_resume_with_seeds_but_lost_generator_states_draws_fresh_randomness(tmp_path, monkeypatch, capsys):
     """private/seeds.json kept, rng-STEP.pt lost: restarting the generators from the seeds would redraw step 0's
     noise (and the lost steps' batches) at step 60; the run must take fresh seeds instead, and the lost steps stay
     spent (audit, session 21)."""
@@ -140,12 +152,91 @@ def test_resume_with_seeds_but_lost_generator_states_draws_fresh_randomness(tmp_
     for p in (snap / rng.PRIVATE_DIR).glob("rng-*.pt"):
         p.unlink()
     noise.clear()
+    capsys.readouterr()
     resumed = train(cfg, snap, resume=True, progress=False)
+    line = _redrawn_warning(capsys.readouterr().err, str(snap / rng.PRIVATE_DIR / "rng-60.pt"))
+    assert "the 15 step(s) journaled after it" in line
     new = rng.load_seeds(snap)
     assert new.mode == "secure" and new.sampling != old.sampling and new.noise != old.noise
     for a, b in zip(first, noise[:3]):  # steps 0, 1, 2 of the first run vs steps 60, 61, 62 of the resumed one
         assert a.shape != b.shape or not torch.equal(a, b)
     assert accounting.Ledger.from_json(resumed["dp"]["ledger"]).steps == 75 + 140
+
+
+def _flip_byte(path, at):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {  # what happens to which private file -> the words of the error
+    "state truncated": ("rng-60.pt", lambda p: p.write_bytes(p.read_bytes()[:200]), "unreadable generator state"),
+    "state byte flipped": ("rng-60.pt", lambda p: _flip_byte(p, p.stat().st_size // 2), "fails its CRC check"),
+    "state empty": ("rng-60.pt", lambda p: p.write_bytes(b""), "unreadable generator state"),
+    "state of another step": ("rng-60.pt", lambda p: torch.save({"step": 50, "states": {}}, p),
+                              "not the generator states of step 60"),
+    "state without noise": ("rng-60.pt", lambda p: torch.save({"step": 60, "states": {"x": torch.zeros(3)}}, p),
+                            "holds no 'noise' generator state"),
+    "state of the wrong size": ("rng-60.pt", lambda p: torch.save(
+        {"step": 60, "states": {"noise": torch.zeros(16, dtype=torch.uint8)}}, p), "does not fit"),
+    "seeds truncated": (rng.SEEDS_FILE, lambda p: p.write_bytes(p.read_bytes()[:9]), "corrupted"),
+    "seeds of another mode": (rng.SEEDS_FILE, lambda p: p.write_text('{"sampling": 1, "noise": 2, "mode": "x"}'),
+                              "corrupted"),
+}
+
+
+@pytest.fixture(scope="module")
+def crashed_at_60(tmp_path_factory):
+    """A secure run's directory as a crash right after its checkpoint at step 60 left it."""
+    d = tmp_path_factory.mktemp("crash")
+    with pytest.MonkeyPatch.context() as mp:
+        _, _, snap, _ = _run_with_snapshot(d, mp)
+    return snap
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_damaged_private_file_is_refused_not_redrawn(tmp_path, crashed_at_60, capsys, case):
+    """A truncated or corrupted secrets / generator-state file stops the resume with one line naming it and how to go
+    on (treating it as absent redrew the lost steps without a word), and leaves every file as it was."""
+    name, damage, words = DAMAGE[case]
+    snap = tmp_path / "run"
+    shutil.copytree(crashed_at_60, snap)
+    path = snap / rng.PRIVATE_DIR / name
+    damage(path)
+    before = {p.relative_to(snap): p.read_bytes() for p in snap.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["train", "--resume", str(snap), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.strip().splitlines() if not x.startswith("widedp: warning: data.vocabulary")]
+    assert len(lines) == 1 and "Traceback" not in err and "is missing" not in err, err
+    err = lines[0]
+    assert err.startswith(f"widedp: error: {path}: ") and words in err and "--overwrite" in err, err
+    assert "restore it" in err and "charged again" in err
+    after = {p.relative_to(snap): p.read_bytes() for p in snap.rglob("*") if p.is_file()}
+    assert after == before  # checkpoint, journal, seeds, metrics: nothing lost
+
+
+def test_api_load_private_refuses_a_damaged_state(tmp_path):
+    """``PrivacyEngine.load_private`` on a corrupted generator state names the file (it said 'no generator state
+    for step N', as if save_private had been called at another step)."""
+    from api_toys import TorchrecMLP, collate_kjt, interactions
+    from torch.utils.data import DataLoader
+
+    from widedp.api import PrivacyEngine
+
+    def setup():
+        eng = PrivacyEngine(selection={"name": "uniform", "k": 2}, clip1=1.0, clip2=1.0, noise_multiplier=1.0)
+        model = TorchrecMLP()
+        eng.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         DataLoader(interactions(20), batch_size=4, collate_fn=collate_kjt), epochs=1)
+        return eng
+
+    eng = setup()
+    eng.save_private(tmp_path)
+    path = tmp_path / rng.PRIVATE_DIR / "rng-0.pt"
+    _flip_byte(path, path.stat().st_size // 2)
+    with pytest.raises(ConfigError, match="rng-0.pt: corrupted"):
+        setup().load_private(tmp_path)
 
 
 def test_every_bit_of_a_seed_matters():

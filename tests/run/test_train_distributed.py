@@ -240,7 +240,11 @@ def test_resume_without_generator_states_takes_fresh_seeds_on_every_rank(tmp_pat
     journal, old = _journal_steps(crashed), rng.load_seeds(crashed)
     for p in (crashed / rng.PRIVATE_DIR).glob("rng-*.pt"):
         p.unlink()
-    _finish(_nproc("--resume", str(crashed)))
+    proc = _nproc("--resume", str(crashed))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    said = [x for x in err.splitlines() if "is missing" in x]  # said once (by rank 0), with the steps charged again
+    assert len(said) == 1 and f"rng-{killed_at}-rank*.pt" in said[0] and "charged again" in said[0], err
     new = rng.load_seeds(crashed)
     assert new.sampling != old.sampling and new.noise != old.noise and new.mode == "secure"
     assert _summary(crashed)["steps"] == 300

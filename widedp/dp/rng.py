@@ -10,7 +10,9 @@ regenerate them can subtract the noise and read every step's clipped gradient. S
   says so.
 
 What resume needs to replay the lost steps exactly (the seeds and the generators' states at the checkpoint's step)
-lives in ``RUN/private/`` too; ``RUN/private/`` must never be shared.
+lives in ``RUN/private/`` too; ``RUN/private/`` must never be shared. A missing file there means fresh randomness and
+the journaled steps after the checkpoint charged again (the run says so: ``widedp.run.budget.warn_redrawn``); a
+damaged one (truncated, corrupted, another step's) is refused in one line (``damaged``), never taken for missing.
 
 Every generator that protects data is seeded through ``generator`` / ``seed_generator``: torch's CPU generator
 (MT19937) keeps only the low 32 bits of ``manual_seed``, so 2^32 guesses would rebuild a stream from what it
@@ -28,6 +30,7 @@ import json
 import os
 import re
 import secrets
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -152,17 +155,35 @@ def save_seeds(run_dir: Path, seeds: RunSeeds) -> None:
     _write_private(private_dir(run_dir) / SEEDS_FILE, json.dumps(asdict(seeds)).encode())
 
 
+#: How to go on from a damaged file of ``RUN/private/`` (its path and what is wrong come first).
+_DAMAGED_HOWTO = ("restore it from a copy of the run directory; or delete it to resume with fresh secret randomness "
+                  "(the steps journaled after the checkpoint are then charged again); or start the run again with "
+                  "--overwrite")
+
+
+def damaged(path: Path, what: str) -> ConfigError:
+    """The one-line error for a secrets or generator-state file that exists but cannot be used: a resume refuses it
+    rather than treating it as absent (nothing already written is touched)."""
+    return ConfigError(f"{path}: {what}; {_DAMAGED_HOWTO}")
+
+
 def load_seeds(run_dir: Path) -> RunSeeds | None:
-    """The seeds saved in ``run_dir/private`` (None when there are none)."""
+    """The seeds saved in ``run_dir/private`` (None when there are none).
+
+    Raises:
+        ConfigError: the file exists but is not the run's seeds (truncated, corrupted): ``damaged``.
+    """
     path = run_dir / PRIVATE_DIR / SEEDS_FILE
     if not path.is_file():
         return None
     try:
         d = json.loads(path.read_text())
-        return RunSeeds(sampling=int(d["sampling"]), noise=int(d["noise"]), mode=d["mode"])
-    except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"{path}: corrupted (delete {run_dir / PRIVATE_DIR} to resume without exact replay)"
-                          ) from None
+        seeds = RunSeeds(sampling=int(d["sampling"]), noise=int(d["noise"]), mode=d["mode"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise damaged(path, "corrupted (not the run's secret seeds)") from None
+    if seeds.mode not in ("secure", "reproducible") or min(seeds.sampling, seeds.noise) < 0:
+        raise damaged(path, "corrupted (not the run's secret seeds)")
+    return seeds
 
 
 def run_seeds(run_dir: Path, *, mode: RngMode, seed: int, resume: bool) -> tuple[RunSeeds, bool]:
@@ -206,13 +227,49 @@ def prune_states(run_dir: Path, keep_step: int, *, rank: int | None = None) -> N
             p.unlink(missing_ok=True)
 
 
-def load_states(run_dir: Path, step: int, *, rank: int | None = None) -> dict[str, torch.Tensor] | None:
-    """The generator states saved for ``step`` (of ``rank``; None when there are none: no exact replay)."""
-    path = run_dir / PRIVATE_DIR / _state_file(step, rank)
+def state_path(run_dir: Path, step: int, *, rank: int | None = None) -> Path:
+    """``run_dir/private/rng-STEP[-rankR].pt``: where ``save_states`` keeps the generator states of ``step``."""
+    return run_dir / PRIVATE_DIR / _state_file(step, rank)
+
+
+def load_states(run_dir: Path, step: int, *, rank: int | None = None, names: tuple[str, ...] = ("noise",)
+                ) -> dict[str, torch.Tensor] | None:
+    """The generator states saved for ``step`` (of ``rank``), None when there is no such file (no exact replay).
+
+    Raises:
+        ConfigError: the file exists but is damaged — not a readable zip whose every member matches its CRC (torch
+            itself reads flipped bytes without a word), not loadable with ``weights_only``, another step's, or
+            without a byte-tensor state for each of ``names``: ``damaged``. Treating it as absent would redraw
+            the lost steps silently.
+    """
+    path = state_path(run_dir, step, rank=rank)
     if not path.is_file():
         return None
     try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+        if bad is not None:
+            raise damaged(path, f"corrupted (member {bad} fails its CRC check)")
         d = torch.load(path, weights_only=True)
-        return dict(d["states"]) if d["step"] == step else None
-    except Exception:
-        return None
+    except ConfigError:
+        raise
+    except Exception as e:  # a truncated or rewritten file: zipfile.BadZipFile, torch's RuntimeError, unpickling
+        raise damaged(path, f"unreadable generator state ({type(e).__name__})") from None
+    states = d.get("states") if isinstance(d, dict) else None
+    if not isinstance(states, dict) or d.get("step") != step:
+        raise damaged(path, f"not the generator states of step {step}")
+    for name in names:
+        t = states.get(name)
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 and t.numel() > 0):
+            raise damaged(path, f"holds no {name!r} generator state")
+    return dict(states)
+
+
+def restore(gen: torch.Generator, state: torch.Tensor, path: Path) -> None:
+    """``gen.set_state(state)``, or ``damaged`` when the state does not fit ``gen`` (e.g. its size is another
+    generator kind's)."""
+    try:
+        gen.set_state(state)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise damaged(path, f"its state does not fit this run's {gen.device.type} generator "
+                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None

@@ -8,7 +8,8 @@ the process (logs, checkpoints). On resume:
   checkpoint and ends equal to an uninterrupted run's;
 - a run that cannot replay (``private/`` lost, or the Opacus engine) gets fresh randomness, so every step the journal
   recorded stays spent: the steps between the checkpoint and the journal's high-water mark are kept as an extra
-  entry of the ledger.
+  entry of the ledger. When a lost secrets or generator-state file is the reason, the run says so in one line on
+  stderr (``warn_redrawn``); a damaged one is refused instead (``widedp.dp.rng.damaged``).
 
 Every eps here is by ``dp.accountant`` (pld or rdp; the config refuses ``paper``); ``ledger_epsilons`` is what a run
 reports per epoch and in its summary (the headline accountant's eps, and ``epsilon_rdp`` as the cross-check).
@@ -16,6 +17,7 @@ reports per epoch and in its summary (the headline accountant's eps, and ``epsil
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -151,3 +153,17 @@ def resumed_ledger(checkpointed: accounting.Ledger, journal: accounting.Ledger |
     if journal is None or replayable or journal.steps <= checkpointed.steps:
         return checkpointed
     return journal
+
+
+def warn_redrawn(lost: str, *, step: int, recharged: int) -> None:
+    """One line on stderr: a resume from checkpoint ``step`` cannot replay the lost steps because ``lost`` (a secrets
+    or generator-state file of ``RUN/private/``) is missing, so their randomness is drawn fresh and the ``recharged``
+    steps the journal recorded after the checkpoint are charged again (conservative)."""
+    if recharged > 0:
+        what = (f"the {recharged:,} step(s) journaled after it (steps {step + 1:,}-{step + recharged:,}) are charged "
+                f"again (conservative: the ledger counts {recharged:,} more step(s) than the run trains, so its ε "
+                "is above an uninterrupted run's)")
+    else:
+        what = "no step was journaled after it, so none is charged twice"
+    print(f"widedp: warning: {lost} is missing: the randomness of the steps after the checkpoint at step {step:,} is "
+          f"drawn fresh (they cannot be replayed); {what}", file=sys.stderr)

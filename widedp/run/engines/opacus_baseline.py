@@ -206,15 +206,19 @@ class OpacusEngine(PrivateEngine):
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(ckpt["optimizer"])
-        states = rng.load_states(self.out, ckpt["step"])
+        step = ckpt["step"]
+        states = rng.load_states(self.out, step, names=("noise", "sampling"))  # (a damaged file: ConfigError)
         if states is not None:
-            self.noise_gen.set_state(states["noise"])
-            self.sample_gen.set_state(states["sampling"])
+            path = rng.state_path(self.out, step)
+            rng.restore(self.noise_gen, states["noise"], path)
+            rng.restore(self.sample_gen, states["sampling"], path)
         else:  # never restart the generators from the seeds: that redraws step 0's batch and noise
-            self._restart_randomness(ckpt["step"])
+            self._restart_randomness(step)
         history = [(float(s), float(r), int(k)) for s, r, k in ckpt["opacus_history"]]
         checkpointed = accounting.Ledger.from_json(ckpt["ledger"])
-        self.ledger = self._resumed_ledger(ckpt, replayable=False)
+        # (Opacus' batches are never replayed: journaled steps after the checkpoint stay spent, state or not)
+        self.ledger = self._resumed_ledger(ckpt, replayable=False,
+                                           lost=None if states is not None else str(rng.state_path(self.out, step)))
         if self.ledger.steps > checkpointed.steps:  # journaled steps after the checkpoint stay spent
             history.append((self.dp.noise_multiplier, self.sampling_rate, self.ledger.steps - checkpointed.steps))
         self.engine.accountant.history = history

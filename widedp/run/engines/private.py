@@ -30,6 +30,7 @@ class PrivateEngine:
         assert cfg.dp is not None
         self.cfg, self.out, self.device, self.dp, self.resumed = cfg, out, device, cfg.dp, resumed
         self.seeds, self.replayable = self._run_seeds(resumed=resumed)
+        self._seeds_lost = resumed and not self.replayable  # private/seeds.json was missing: fresh seeds drawn
         # what is spent before the first step: the DP vocabulary (released by the task's build, with the seed below)
         # and the row pre-selection (drawn by the engine's setup)
         self.rb = run_budget.for_config(cfg)
@@ -113,11 +114,25 @@ class PrivateEngine:
         """Seed the engine's generators (in place) and samplers from ``self.seeds``."""
         rng.seed_generator(self.noise_gen, self.seeds.noise)
 
-    def _resumed_ledger(self, ckpt: dict[str, Any], *, replayable: bool) -> accounting.Ledger:
-        """The checkpoint's ledger, or the journal's when the lost steps cannot be replayed (they stay spent)."""
+    def _resumed_ledger(self, ckpt: dict[str, Any], *, replayable: bool, lost: str | None = None
+                        ) -> accounting.Ledger:
+        """The checkpoint's ledger, or the journal's when the lost steps cannot be replayed (they stay spent).
+        ``lost``: the missing private file that makes them unreplayable; the writer then says so in one line
+        (``budget.warn_redrawn``)."""
         journal = budget.read_journal(self.out)
         self._journal_floor = journal.steps if journal is not None else 0
-        return budget.resumed_ledger(accounting.Ledger.from_json(ckpt["ledger"]), journal, replayable=replayable)
+        checkpointed = accounting.Ledger.from_json(ckpt["ledger"])
+        ledger = budget.resumed_ledger(checkpointed, journal, replayable=replayable)
+        if lost is not None and self.is_writer:
+            budget.warn_redrawn(lost, step=ckpt["step"], recharged=ledger.steps - checkpointed.steps)
+        return ledger
+
+    def _lost_state(self, step: int, *, rank: int | None = None) -> str:
+        """The private file whose loss keeps a resume at checkpoint ``step`` from replaying: the seeds (missing when
+        the engine started), else the generator states of ``step`` (of ``rank``)."""
+        if self._seeds_lost:
+            return str(self.out / rng.PRIVATE_DIR / rng.SEEDS_FILE)
+        return str(rng.state_path(self.out, step, rank=rank))
 
     def epsilons(self) -> dict[str, Any]:
         return run_summary.epoch_epsilons(self.dp, self.ledger, self.rb)

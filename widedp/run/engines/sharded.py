@@ -149,16 +149,35 @@ class ShardedDPEngine(SparseDPEngine):
         except (ConfigError, KeyError, RuntimeError) as e:
             error = f"{shards.shard_path(self.out, step=step, rank=self.rank)}: does not fit this run ({e})"
         ranks.agree(" ".join(error.split()) if error else None)
-        states = rng.load_states(self.out, step, rank=self.rank) if self.replayable else None
+        states, error = self._load_states(step)
+        ranks.agree(error)  # a damaged file on any rank: every rank stops with its one line
         replay = torch.tensor([int(states is not None)], device=self.device)
         dist.all_reduce(replay, op=dist.ReduceOp.MIN)  # exact replay only when every rank has its states
         if replay.item():
-            self.noise_gen.set_state(states["noise"])
-            self.shared_gen.set_state(states["shared"])
+            path = rng.state_path(self.out, step, rank=self.rank)
+            try:
+                rng.restore(self.noise_gen, states["noise"], path)
+                rng.restore(self.shared_gen, states["shared"], path)
+            except ConfigError as e:
+                error = str(e)
+            ranks.agree(error)
         elif self.replayable:
             self._restart_randomness(step)
-        self.ledger = self._resumed_ledger(ckpt, replayable=bool(replay.item()))
+        lost = None if replay.item() else (
+            self._lost_state(step) if self._seeds_lost
+            else f"{self.out / rng.PRIVATE_DIR}/rng-{step}-rank*.pt (of at least one rank)")
+        self.ledger = self._resumed_ledger(ckpt, replayable=bool(replay.item()), lost=lost)
         dist.barrier()  # every rank has read the journal before rank 0 writes it again
+
+    def _load_states(self, step: int) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+        """This rank's generator states of ``step`` (None: missing, or the run cannot replay) and the error of a
+        damaged file (for ``ranks.agree``)."""
+        if not self.replayable:
+            return None, None
+        try:
+            return rng.load_states(self.out, step, rank=self.rank, names=("noise", "shared")), None
+        except ConfigError as e:
+            return None, str(e)
 
     def save_private(self, step: int) -> None:
         rng.save_states(self.out, step, {"noise": self.noise_gen.get_state(), "shared": self.shared_gen.get_state()},

@@ -129,12 +129,14 @@ class SparseDPEngine(PrivateEngine):
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(ckpt["optimizer"])
-        states = rng.load_states(self.out, ckpt["step"]) if self.replayable else None
+        step = ckpt["step"]
+        states = rng.load_states(self.out, step) if self.replayable else None  # (a damaged file: ConfigError)
+        lost = None if states is not None else self._lost_state(step)
         if states is not None:
-            self.noise_gen.set_state(states["noise"])
+            rng.restore(self.noise_gen, states["noise"], rng.state_path(self.out, step))
         elif self.replayable:
-            self._restart_randomness(ckpt["step"])
-        self.ledger = self._resumed_ledger(ckpt, replayable=states is not None)
+            self._restart_randomness(step)
+        self.ledger = self._resumed_ledger(ckpt, replayable=states is not None, lost=lost)
 
     def save_private(self, step: int) -> None:
         rng.save_states(self.out, step, {"noise": self.noise_gen.get_state()})
