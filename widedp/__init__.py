@@ -3,7 +3,7 @@
 The public API, imported on first use (``import widedp`` stays light)::
 
     engine = widedp.PrivacyEngine(selection=..., clip1=..., clip2=..., noise_multiplier=... | target_epsilon=...)
-    model, optimizer, loader = engine.make_private(model, optimizer, data_loader, epochs=...)
+    model, optimizer, loader = engine.make_private(model, optimizer, data_loader, epochs=..., loss_fn=per_sample_loss)
 
 ``PrivacyEngine`` and its errors live in ``widedp.api``; ``dp_step`` (the pure DP step) in ``widedp.dp.step``, on
 ``PerSampleRows`` (``widedp.dp.rowgrads``).

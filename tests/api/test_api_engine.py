@@ -34,6 +34,11 @@ def engine(**kw) -> PrivacyEngine:
 # ----------------------------------------------------------------------------------------------------- learning
 
 
+def ce_of(model):
+    """batch (ids, labels) -> [B] cross-entropy losses of ``model``."""
+    return lambda b: F.cross_entropy(model(b[0]), b[1], reduction="none")
+
+
 def collate_pairs(items):
     return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
 
@@ -47,7 +52,7 @@ def test_short_dp_run_learns():
     eng = engine(selection={"name": "exponential", "k": 60, "epsilon": 0.1, "score_clip": 0.05})
     model, opt, loader = eng.make_private(model, torch.optim.Adam(model.parameters(), lr=0.05),
                                           DataLoader(list(zip(ids, y)), batch_size=100, collate_fn=collate_pairs),
-                                          epochs=3)
+                                          loss_fn=ce_of(model), epochs=3)
 
     def full_loss() -> float:
         with torch.no_grad():
@@ -78,7 +83,7 @@ def _bag_run(protocol: str, *, steps: int = 6):
     eng = engine(secure_rng=False, seed=5)
     model, opt, loader = eng.make_private(model, torch.optim.Adam(model.parameters(), lr=0.05),
                                           DataLoader(data, batch_size=10, collate_fn=collate_pairs), epochs=1,
-                                          loss_reduction="mean" if protocol == "mean" else "sum")
+                                          loss_fn=ce_of(model), loss_reduction="mean" if protocol == "mean" else "sum")
     for (x, t), _ in zip(loader, range(steps)):
         loss_fn = lambda b: F.cross_entropy(model(b[0]), b[1], reduction="none")  # noqa: E731
         if protocol == "explicit":
@@ -111,7 +116,8 @@ def _torchrec_setup(secure: bool):
     eng = engine(secure_rng=secure, seed=11)
     data = interactions(40, seed=4)
     model, opt, loader = eng.make_private(model, torch.optim.Adam(model.parameters(), lr=0.05),
-                                          DataLoader(data, batch_size=8, collate_fn=collate_kjt), epochs=2)
+                                          DataLoader(data, batch_size=8, collate_fn=collate_kjt),
+                                          loss_fn=bce_loss(model), epochs=2)
     return model, opt, loader, eng
 
 
@@ -201,6 +207,9 @@ def _recsys_engine(cfg, **kw):
     model, opt, loader = eng.make_private(model, torch.optim.Adam(model.parameters(), lr=0.01),
                                           DataLoader(range(len(split)), batch_size=24,
                                                      collate_fn=lambda i: split.batch(torch.tensor(i))),
+
+                                          loss_fn=lambda b: F.binary_cross_entropy_with_logits(
+                                              model(b.kjt), b.labels, reduction="none"),
                                           epochs=cfg["train"]["epochs"])
     return model, opt, loader, eng
 
@@ -234,7 +243,8 @@ def test_budget_stop():
     g = torch.Generator().manual_seed(3)
     data = [(torch.randint(0, 11, (2,), generator=g), torch.tensor(1)) for _ in range(40)]
     model, opt, loader = eng.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                          DataLoader(data, batch_size=4, collate_fn=collate_pairs), epochs=5)
+                                          DataLoader(data, batch_size=4, collate_fn=collate_pairs),
+                                          loss_fn=ce_of(model), epochs=5)
     assert 0 < eng.budget_steps == 11 < eng.total_steps == 50  # q = 0.1, sampled Gaussian σ=2 (RDP)
     for _ in range(5):
         for x, t in loader:
@@ -253,7 +263,8 @@ def test_empty_poisson_batches_are_noise_only_steps():
     data = [(torch.tensor([1, 2]), torch.tensor(0))] * 50
     eng = engine()
     model, opt, loader = eng.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                          DataLoader(data, batch_size=1, collate_fn=collate_pairs), epochs=1)
+                                          DataLoader(data, batch_size=1, collate_fn=collate_pairs),
+                                          loss_fn=ce_of(model), epochs=1)
     before = model.bag.weight.detach().clone()
     yielded = 0
     for x, t in loader:
@@ -264,7 +275,8 @@ def test_empty_poisson_batches_are_noise_only_steps():
     assert not torch.equal(before, model.bag.weight)  # noise moved the selected rows
     other = BagModel()
     _, _, loader2 = engine().make_private(other, torch.optim.SGD(other.parameters(), lr=0.1),
-                                          DataLoader(data, batch_size=25, collate_fn=collate_pairs), epochs=1)
+                                          DataLoader(data, batch_size=25, collate_fn=collate_pairs),
+                                          loss_fn=ce_of(other), epochs=1)
     batches = iter(loader2)
     next(batches)
     with pytest.raises(RuntimeError, match="not used for a DP step"):
@@ -278,7 +290,8 @@ def test_a_step_takes_only_the_batch_the_poisson_loader_issued():
     dl = DataLoader(data, batch_size=10, shuffle=True, collate_fn=collate_pairs)
     model = BagModel()
     eng = engine()
-    model, opt, loader = eng.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dl, epochs=1)
+    model, opt, loader = eng.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dl,
+    loss_fn=ce_of(model), epochs=1)
 
     def backward(x, t):
         F.cross_entropy(model(x), t, reduction="none").sum().backward()
@@ -350,7 +363,7 @@ def test_short_dp_run_on_cuda_learns_and_states_the_cpu_epsilon():
     eng = engine(selection={"name": "exponential", "k": 60, "epsilon": 0.1, "score_clip": 0.05})
     model, opt, loader = eng.make_private(model, torch.optim.Adam(model.parameters(), lr=0.05),
                                           DataLoader(list(zip(ids, y)), batch_size=100, collate_fn=collate_pairs),
-                                          epochs=3)
+                                          loss_fn=ce_of(model), epochs=3)
     before = float(F.cross_entropy(model(ids), y))
     for _ in range(3):
         for x, t in loader:
@@ -363,7 +376,7 @@ def test_short_dp_run_on_cuda_learns_and_states_the_cpu_epsilon():
     m2 = nn.Sequential(nn.EmbeddingBag(100, 8, mode="mean"), nn.Linear(8, 2))
     m2, opt2, loader2 = cpu.make_private(m2, torch.optim.Adam(m2.parameters(), lr=0.05),
                                          DataLoader(list(zip(ids.cpu(), y.cpu())), batch_size=100,
-                                                    collate_fn=collate_pairs), epochs=3)
+                                                    collate_fn=collate_pairs), loss_fn=ce_of(m2), epochs=3)
     for _ in range(3):
         for x, t in loader2:
             F.cross_entropy(m2(x), t, reduction="none").sum().backward()

@@ -163,7 +163,7 @@ def test_generic_path_equals_recsys_fast_path(pooling):
     rm = RecsysModel(data.cardinality, dim=4, hidden=(5, 3), pooling=pooling, init_scale=0.5,
                      generator=torch.Generator().manual_seed(0))
     model = GenericRecsys(rm)
-    eng = private(model, range(len(split)), split.batch)
+    eng = private(model, range(len(split)), lambda i: split.batch(torch.tensor(i)))
     assert eng.layout.table_rows == rm.num_rows and eng.layout.always_rows == rm.num_dense_rows
     batch = split.batch(torch.arange(16))
     with torch.inference_mode():

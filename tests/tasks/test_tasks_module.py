@@ -84,7 +84,8 @@ def _privacy_engine_run(cfg, *, noise_multiplier=None, target_epsilon=None):
                                       delta=dp.delta, secure_rng=False, seed=cfg.train.seed)
     model, opt, loader = engine.make_private(model, torch.optim.SGD(model.parameters(), lr=cfg.train.lr),
                                              DataLoader(train_set, batch_size=cfg.train.batch_size,
-                                                        collate_fn=ex.collate), epochs=cfg.train.epochs)
+                                                        collate_fn=ex.collate), epochs=cfg.train.epochs,
+                                             loss_fn=lambda b: ex.bce_loss(model, b))
     for _ in range(cfg.train.epochs):
         for batch in loader:
             opt.zero_grad()
@@ -141,6 +142,16 @@ class Tiny(nn.Module):
 
 def int_loss(model, batch):
     return model.emb(batch[0]).sum((1, 2)).long()
+
+class Standardised(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(7, 2), nn.Linear(3, 1)
+    def forward(self, batch):
+        x = batch[0].float()
+        x = (x - x.mean()) / (x.std() + 1e-3)   # a batch statistic: couples the samples, sends no gradient
+        logit = self.out(torch.cat([self.emb(batch[0]).sum(1), x], 1)).squeeze(1)
+        return nn.functional.binary_cross_entropy_with_logits(logit, batch[1], reduction="none")
 '''
 
 
@@ -162,6 +173,9 @@ def int_loss(model, batch):
       "model.kwargs={}", "model.loss=user_mod:int_loss", "dp.selection.k=4", "train.batch_size=10"],
      "model.loss: must return floating-point per-sample losses, got torch.int64"),
     (["model.kwargs={1: 2}"], "model.kwargs: keys are keyword-argument names"),
+    (["data.factory=user_mod:data", "data.kwargs={}", "data.collate=null", "model.factory=user_mod:Standardised",
+      "model.kwargs={}", "model.loss=null", "dp.selection.k=4", "train.batch_size=10"],
+     "model.factory: out: a sample's input to this layer changes with the other samples in its batch"),
     (["dp.engine=opacus", "dp.selection={name: all}", "dp.clip2=null", "train.optimizer=sgd"],
      "dp.engine: opacus is the DP-SGD baseline of task cbow"),
 ])

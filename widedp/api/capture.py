@@ -113,6 +113,7 @@ class Capture:
         self._off: set[int] = set()  # lookups running with their weight's requires_grad switched off
         self.tables, self._table_of = self._find_tables()
         self.dense_params, dense_modules = self._find_dense()
+        self._dense_ids = {id(m) for m in dense_modules}
         for m in model.modules():
             if id(m) in self._table_of:
                 self._handles.append(m.register_forward_pre_hook(self._wide_pre, with_kwargs=True))
@@ -126,6 +127,11 @@ class Capture:
         for m in model.modules():  # with or without trainable parameters: training mode uses batch statistics
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 self._handles.append(m.register_forward_pre_hook(self._batchnorm_pre))
+        self._buffer_snap: dict[int, list[tuple[nn.Module, str, Tensor, int]]] = {}
+        for m in model.modules():  # a buffer that learns from the batch: running statistics, counters, caches
+            if next(m.buffers(recurse=m is model), None) is not None:
+                self._handles.append(m.register_forward_pre_hook(self._buffers_pre))
+                self._handles.append(m.register_forward_hook(self._buffers_post))
         self._names = {id(m): n for n, m in model.named_modules()}
 
     # ------------------------------------------------------------------------------------------------ discovery
@@ -190,6 +196,10 @@ class Capture:
 
     # -------------------------------------------------------------------------------------------------- hooks
 
+    def hooked_modules(self) -> set[int]:
+        """ids of the modules whose calls are recorded (tables and dense layers)."""
+        return set(self._table_of) | self._dense_ids
+
     def _recording(self, m: nn.Module) -> bool:
         return self.enabled and m.training and torch.is_grad_enabled()
 
@@ -205,6 +215,24 @@ class Capture:
             raise UnsupportedModelError(f"{self._label(m)}: batch normalisation in training mode mixes the samples of "
                                         "a batch (and writes their statistics into its buffers, outside DP); use "
                                         "nn.LayerNorm or nn.GroupNorm, or keep it in eval mode with fixed statistics")
+
+    def _buffers_pre(self, m: nn.Module, args: tuple[Any, ...]) -> None:
+        if self.enabled and m.training:
+            owners = m.modules() if m is self.model else (m,)
+            self._buffer_snap[id(m)] = [(o, n, b, b._version) for o in owners for n, b in o._buffers.items()
+                                        if b is not None]
+
+    def _buffers_post(self, m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        """Refuse a forward in training mode that wrote into a buffer (in place or by reassignment)."""
+        for owner, name, before, version in self._buffer_snap.pop(id(m), ()):
+            now = owner._buffers.get(name)
+            if now is not before or now._version != version:
+                where = ".".join(x for x in (self._label(owner) if owner is not self.model else "", name) if x)
+                raise UnsupportedModelError(f"{where}: the forward wrote into this buffer in training mode: a buffer "
+                                            "that learns from the batch (running statistics, a counter, a cache) "
+                                            "carries private data outside DP into later steps and state_dict(); "
+                                            "keep it fixed (that module in eval mode) or compute it from public "
+                                            "data")
 
     def _ebc_pre(self, m: nn.Module, args: tuple[Any, ...]) -> None:
         kjt = args[0] if args else None

@@ -2,19 +2,22 @@
 
     engine = widedp.PrivacyEngine(selection={"name": "exponential", "k": 64, "epsilon": 0.05, "score_clip": 0.05},
                                   clip1=1.0, clip2=1.0, target_epsilon=3.0, delta=1e-5)
-    model, optimizer, loader = engine.make_private(model, optimizer, data_loader, epochs=2)
+    model, optimizer, loader = engine.make_private(model, optimizer, data_loader, epochs=2,
+                                                   loss_fn=per_sample_loss, loss_reduction="sum")
     for epoch in range(2):
         for batch in loader:                       # Poisson batches, q = batch_size / len(dataset)
-            loss = per_sample_loss(model, batch)   # [B]: reduction="none"
+            loss = per_sample_loss(batch)          # [B]: reduction="none"
             loss.sum().backward()                  # one backward: per-sample gradients are recorded by hooks
             optimizer.step()                       # the DP step (widedp.dp.step.dp_step) and the updates
     print(engine.statement().text)                 # (ε, δ) for adding/removing one training example [PLD]
 
 or, without the optimizer protocol, ``engine.step(batch, loss_fn)`` (loss_fn(batch) -> [B] losses).
 
-Each sample's loss must depend on that sample alone (no batch norm — refused —, no in-batch negatives) and every
-trainable parameter must be read inside its module's forward; a dense parameter whose per-sample gradients do not add
-up to its gradient, or a table read outside its lookup, stops the step with an error.
+Each sample's loss must depend on that sample alone (no batch norm — refused —, no in-batch negatives, no batch
+statistic: the first batch is checked, ``widedp.api.coupling``; ``loss_fn`` lets the ``optimizer.step()`` loop run
+that check) and every trainable parameter must be read inside its module's forward; a dense parameter whose
+per-sample gradients do not add up to its gradient, a table read outside its lookup, or a buffer written by the
+forward in training mode stops the step with an error.
 
 Every step is ``dp_step`` on the batch's per-sample row gradients (``widedp.api.capture`` / ``per_sample``): clip
 each sample at S1 over all it touched (its table rows and the dense layers), select table rows privately among ALL
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,6 +44,7 @@ from torch import Tensor, nn
 from widedp import accounting
 from widedp.accounting.statement import SIZE_NOT_COVERED, PrivacyStatement
 from widedp.api.capture import Capture
+from widedp.api.coupling import check_batch_coupling, check_loss_reduction, reference_rows
 from widedp.api.loader import PoissonLoader
 from widedp.api.per_sample import Layout, batch_size_of, collect, empty_rows, losses_and_rows
 from widedp.api.update import Updater
@@ -145,12 +150,16 @@ class PrivacyEngine:
         self._capture: Capture | None = None
         self._last_private: int = -1
         self._issued: tuple[int, int] | None = None  # (step, B) of the batch the Poisson loader last yielded
+        self._issued_items: list[int] = []  # its dataset indices (the first-batch checks recollate them)
+        self._loss_fn: Any = None
+        self._checked = False  # the coupling check has run (``widedp.api.coupling``)
+        self._reduction_checked = False  # the hook path's loss_reduction has been compared once
 
     # --------------------------------------------------------------------------------------------------- setup
 
     def make_private(self, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any, *, epochs: int,
-                     table_optimizer: str | None = None, loss_reduction: Literal["sum", "mean"] = "sum",
-                     ) -> tuple[nn.Module, DPOptimizer, PoissonLoader]:
+                     loss_fn: Callable[[Any], Tensor] | None = None, loss_reduction: Literal["sum", "mean"] = "sum",
+                     table_optimizer: str | None = None) -> tuple[nn.Module, DPOptimizer, PoissonLoader]:
         """Hook ``model``, wrap ``optimizer``, and replace ``data_loader`` by Poisson batches of its dataset.
 
         Args:
@@ -160,14 +169,21 @@ class PrivacyEngine:
                 gradient; tables get widedp's row optimizer (``widedp.api.update``).
             data_loader: a DataLoader over a map-style dataset; its ``batch_size`` is b, the expected batch size.
             epochs: the planned run (calibration, the loader's length, the selection's epoch schedule).
+            loss_fn: batch -> [B] per-sample losses, as your loop computes them. Needed by the ``optimizer.step()``
+                loop: its first step checks with it that samples do not interact (``widedp.api.coupling``) and that
+                the backward matches ``loss_reduction``; without it that step refuses. (``engine.step(batch,
+                loss_fn)`` takes it per step.)
+            loss_reduction: what your ``loss.backward()`` runs on: ``sum`` (recommended) or ``mean`` of the [B]
+                losses; the first step refuses a backward of the other one.
             table_optimizer: ``sgd`` | ``lazy_adam`` | ``adam`` (None: from ``optimizer``'s type).
-            loss_reduction: what ``loss.backward()`` ran on: ``sum`` (recommended) or ``mean`` of the [B] losses.
         """
         if self._capture is not None:
             raise RuntimeError("make_private: this engine already trains a model; make a new PrivacyEngine")
         if epochs < 1 or loss_reduction not in ("sum", "mean"):
             raise ConfigError(f"make_private: epochs must be >= 1 and loss_reduction sum or mean, got {epochs}, "
                               f"{loss_reduction!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise ConfigError(f"make_private: loss_fn must be a function batch -> [B] losses, got {type(loss_fn)}")
         dataset, b = data_loader.dataset, data_loader.batch_size
         n = len(dataset)
         if not isinstance(b, int) or not 1 <= b <= n:
@@ -179,8 +195,10 @@ class PrivacyEngine:
         except BaseException:
             capture.remove()
             raise
-        self._capture, self._mean = capture, loss_reduction == "mean"
-        return model, DPOptimizer(self, optimizer), PoissonLoader(self, dataset, data_loader.collate_fn)
+        self._capture, self._mean, self._loss_fn = capture, loss_reduction == "mean", loss_fn
+        loader = PoissonLoader(self, dataset, data_loader.collate_fn)
+        self._batch_of = loader._fetch
+        return model, DPOptimizer(self, optimizer), loader
 
     def _setup(self, capture: Capture, optimizer: torch.optim.Optimizer, *, n: int, b: int, epochs: int,
                table_optimizer: str | None) -> None:
@@ -237,8 +255,11 @@ class PrivacyEngine:
 
     def per_sample_grads(self, batch: Any, loss_fn: Any) -> tuple[Tensor, PerSampleRows]:
         """([B] losses, each sample's gradient over ``self.layout``'s rows) from one forward and one backward of
-        ``loss_fn(batch)`` ([B] per-sample losses), without stepping."""
-        return losses_and_rows(self._ready(), self.layout, loss_fn, batch)
+        ``loss_fn(batch)`` ([B] per-sample losses), without stepping. The first call checks that samples do not
+        interact (``widedp.api.coupling``) on the loader's last batch, or on the dataset's first items."""
+        cap = self._ready()
+        self._check_coupling(loss_fn)
+        return losses_and_rows(cap, self.layout, loss_fn, batch)
 
     def step(self, batch: Any, loss_fn: Any) -> Tensor:
         """One DP step on ``batch`` (from the loader): loss_fn(batch) -> [B] per-sample losses. Returns them."""
@@ -257,15 +278,43 @@ class PrivacyEngine:
             issued = self._take_issued()
             b = batch_size_of(cap.records)
             self._check_size(issued, b)
+            ref = self._first_checks(b)
+            g = collect(cap, self.layout, batch=b, scale=float(b) if self._mean else 1.0)
+            if ref is not None:
+                check_loss_reduction(g, ref, reduction="mean" if self._mean else "sum")
+                self._reduction_checked = True
         except Exception:
             cap.clear()  # a refused step's records must not join the next step's
             self._updater.clear_grads()
             raise
-        self._dp_update(collect(cap, self.layout, batch=b, scale=float(b) if self._mean else 1.0))
+        self._dp_update(g)
 
-    def _issue(self, step: int, size: int) -> None:
-        """The loader yields step ``step``'s Poisson batch of ``size`` items: the one batch the next step may use."""
-        self._issued = (step, size)
+    def _check_coupling(self, loss_fn: Callable[[Any], Tensor]) -> PerSampleRows | None:
+        """The coupling check, once: on the loader's last batch (padded with the dataset's first items to >= 4)."""
+        if self._checked:
+            return None
+        items = list(self._issued_items)
+        items += [i for i in range(min(self.n, 8)) if i not in set(items)][: max(0, 4 - len(items))]
+        ref = check_batch_coupling(self._ready(), self.layout, loss_fn, self._batch_of, items)
+        self._checked = True
+        return ref if len(items) == len(self._issued_items) else None  # a reference only for the batch itself
+
+    def _first_checks(self, b: int) -> PerSampleRows | None:
+        """The hook path's first steps: the coupling check (needs ``loss_fn``), and a reference of this batch's
+        per-sample gradients to compare the recorded ones with, until a batch of >= 4 samples has been compared."""
+        if self._checked and (self._reduction_checked or b < 4):
+            return None
+        if self._loss_fn is None:
+            raise RuntimeError("optimizer.step(): pass make_private(..., loss_fn=per_sample_loss) (batch -> [B] "
+                               "losses): the first step checks with it that samples do not interact and that the "
+                               "backward matches loss_reduction; nothing was spent")
+        if not self._checked:
+            return self._check_coupling(self._loss_fn)
+        return reference_rows(self._ready(), self.layout, self._loss_fn, self._batch_of(self._issued_items))
+
+    def _issue(self, step: int, items: list[int]) -> None:
+        """The loader yields step ``step``'s Poisson batch of ``items``: the one batch the next step may use."""
+        self._issued, self._issued_items = (step, len(items)), items
 
     def _take_issued(self) -> int:
         """The size of the batch the loader issued for this step; refuses a step on any other batch (the

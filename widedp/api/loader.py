@@ -55,7 +55,7 @@ class PoissonLoader:
                 e.empty_step()
                 continue
             batch = self._fetch(idx)
-            e._issue(t, len(idx))
+            e._issue(t, idx)
             yield batch
             if e.steps == t:
                 raise RuntimeError(f"step {t}: the previous Poisson batch was not used for a DP step; call "

@@ -15,7 +15,7 @@ Per-sample gradients: table entries ``go[src] * scale`` summed per (sample, row)
 (vmap over the batch of the gradient of <layer(x_j), go_j>): both need the per-sample loss to be a sum over
 samples with each sample's loss depending on its own inputs only. ``losses_and_rows`` checks that once
 (``check_independent``: a second backward with per-sample weights v must give v_j times each output row's gradient
-of sample j); the hook path (the user's own backward) cannot.
+of sample j); ``widedp.api.coupling`` adds what sends no gradient between samples (batch statistics).
 """
 
 from __future__ import annotations
@@ -91,6 +91,12 @@ def collect(capture: Capture, layout: Layout, *, batch: int, scale: float = 1.0)
 def losses_and_rows(capture: Capture, layout: Layout, loss_fn: Any, batch: Any) -> tuple[Tensor, PerSampleRows]:
     """([B] losses, each sample's gradient over ``layout``'s rows) from one forward and one backward of
     ``loss_fn(batch)`` ([B] per-sample losses), without stepping; no gradient is left on the model."""
+    loss, g, _ = grads_of(capture, layout, loss_fn, batch)
+    return loss, g
+
+
+def grads_of(capture: Capture, layout: Layout, loss_fn: Any, batch: Any) -> tuple[Tensor, PerSampleRows, list[Record]]:
+    """``losses_and_rows`` and the calls it recorded (their inputs and output gradients), for the coupling check."""
     capture.clear()
     clear_grads(layout)
     loss = loss_fn(batch)
@@ -103,9 +109,10 @@ def losses_and_rows(capture: Capture, layout: Layout, loss_fn: Any, batch: Any) 
     loss.sum().backward()
     if weighted is not None:
         check_independent(capture, *weighted, torch.isfinite(loss.detach()))
+    records = list(capture.records)
     g = collect(capture, layout, batch=loss.shape[0])
     clear_grads(layout)  # the non-private summed gradient backward left on dense parameters
-    return loss.detach(), g
+    return loss.detach(), g, records
 
 
 def _weighted_grads(capture: Capture, layout: Layout, loss: Tensor) -> tuple[Tensor, list[Tensor | None]]:

@@ -25,6 +25,7 @@ from torch.utils.data import default_collate
 
 from widedp.accounting.statement import UnitFacts
 from widedp.api.capture import Capture, IdOutOfRangeError, UnsupportedModelError
+from widedp.api.coupling import check_batch_coupling
 from widedp.api.per_sample import Layout, empty_rows, losses_and_rows
 from widedp.api.update import Updater
 from widedp.config import Config
@@ -114,9 +115,11 @@ class ModuleModel:
     (by ``widedp.api``'s hooks, attached on first use) and ``num_rows`` (the rows of its tables); ``state_dict``,
     ``parameters``, ``train`` / ``eval`` are the module's own."""
 
-    def __init__(self, module: nn.Module, loss: Callable[[nn.Module, Any], Tensor] | None) -> None:
-        self.module, self._loss = module, loss
+    def __init__(self, module: nn.Module, loss: Callable[[nn.Module, Any], Tensor] | None,
+                 train: DatasetSplit | None = None) -> None:
+        self.module, self._loss, self._train = module, loss, train
         self._capture: Capture | None = None
+        self._checked = train is None  # the coupling check runs once, on the train split's first items
 
     def __call__(self, batch: Any) -> Tensor:
         loss = self.module(batch) if self._loss is None else self._loss(self.module, batch)
@@ -159,6 +162,23 @@ class ModuleModel:
     def num_rows(self) -> int:
         return self.layout.table_rows
 
+    def check_samples(self) -> None:
+        """Once, on the train split's first items: refuse samples coupled by a batch statistic
+        (``widedp.api.coupling``); the per-batch interaction check runs with every ``losses_and_rows``."""
+        if self._checked or self._train is None:
+            return
+        split, lay = self._train, self.layout
+        assert self._capture is not None
+        with torch.inference_mode(False), torch.enable_grad():
+            try:
+                check_batch_coupling(self._capture, lay, self, lambda ids: split.batch(torch.tensor(ids)),
+                                     range(min(len(split), 8)))
+            except UnsupportedModelError as e:
+                raise ConfigError(f"model.factory: {e}") from None
+            except IdOutOfRangeError as e:
+                raise ConfigError(f"data.factory: {e}") from None
+        self._checked = True
+
     def per_sample_row_grads(self, batch: Any) -> tuple[Tensor, PerSampleRows]:
         """([B] losses, per-sample rows over the tables then the dense rows); runs autograd even when called in
         ``torch.inference_mode``."""
@@ -166,6 +186,7 @@ class ModuleModel:
         if batch is None:  # an empty Poisson batch: its step is noise only
             return torch.zeros(0, device=device), empty_rows(lay, device)
         assert self._capture is not None
+        self.check_samples()
         with torch.inference_mode(False), torch.enable_grad():
             try:
                 return losses_and_rows(self._capture, lay, self, batch)
@@ -231,12 +252,13 @@ class ModuleTask(LoopTask):
         if not isinstance(module, nn.Module):
             raise ConfigError(f"model.factory: must return a torch.nn.Module, got {type(module).__name__}")
         loss = resolve("model.loss", m.loss, takes=("model", "batch")) if m.loss is not None else None
-        return Built(splits, ModuleModel(module.to(device), loss))
+        return Built(splits, ModuleModel(module.to(device), loss, splits["train"]))
 
     def privacy(self, cfg: Config) -> UnitFacts:
         return UnitFacts("training example (one item of the train dataset)", NOT_COVERED)
 
     def row_optimizer(self, cfg: Config, model: ModuleModel) -> ModuleUpdate:
+        model.check_samples()  # the DP run's model is checked before anything is spent
         return ModuleUpdate(cfg, model)
 
 
