@@ -91,15 +91,17 @@ def _engine_step_fn(model: nn.Module, split, *, b: int):
 
     engine = widedp.PrivacyEngine(selection={"name": "exponential", "k": b, "epsilon": 0.05, "score_clip": 0.05},
                                   **DP)
+    def loss_fn(batch):
+        return F.binary_cross_entropy_with_logits(model(batch.kjt), batch.labels, reduction="none")
+
     model, opt, loader = engine.make_private(model, torch.optim.Adam(model.parameters(), lr=1e-3),
                                              torch.utils.data.DataLoader(_Rows(split), batch_size=b,
                                                                          collate_fn=lambda batch: batch),
-                                             epochs=10**6)
+                                             epochs=10**6, loss_fn=loss_fn, loss_reduction="sum")
     batches = iter(loader)
 
     def run() -> None:
-        batch = next(batches)
-        F.binary_cross_entropy_with_logits(model(batch.kjt), batch.labels, reduction="none").sum().backward()
+        loss_fn(next(batches)).sum().backward()
         opt.step()
 
     return run
