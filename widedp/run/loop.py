@@ -163,6 +163,8 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
         start = engine.start()  # (a prefix's journal entry, before anything derived from it is logged)
         history.append(epoch_record(engine, splits, tc, -1, 0))
         log({"kind": "notice", "text": run_summary.DIAGNOSTICS_NOTICE})
+        if scored := task.metrics_model(cfg):  # e.g. the full model, when the release leaves a table out
+            log({"kind": "notice", "metrics_model": scored, "text": f"the losses and metrics here score {scored}"})
         log({"kind": "start", "n_train": n, "n_units": None, "steps_per_epoch": per_epoch, "total_steps": total,
              **start})
     setup_s = time.perf_counter() - t_setup

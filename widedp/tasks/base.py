@@ -72,5 +72,8 @@ class LoopTask:
     def finish(self, cfg: Any, out: Path, built: Built) -> dict[str, Any]:
         return {}
 
+    def metrics_model(self, cfg: Any) -> str | None:
+        return None
+
     def shared_data(self, cfg: Any) -> Any:
         return None

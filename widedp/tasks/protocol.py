@@ -99,6 +99,10 @@ class Task(Protocol):
     def finish(self, cfg: Any, out: Path, built: Built) -> dict[str, Any]:
         """Metrics of the final model added to summary.json (``built.model`` holds the final weights)."""
 
+    def metrics_model(self, cfg: Any) -> str | None:
+        """Which model the run's losses and metrics score (e.g. the full model, of which the release leaves a table
+        out), for a notice line at the head of metrics.jsonl; None: the release is the trained model."""
+
     def shared_data(self, cfg: Any) -> Any:
         """Data several runs of a sweep may share (``widedp compare``), or None (each run prepares its own)."""
 

@@ -10,8 +10,12 @@ false``); ``sparse_adam`` is not available because the MLP is dense. DP: ``sgd``
 optimizers over the tables and the dense rows.
 
 A run directory also holds ``features.json`` (table sizes, positive rate) and ``ids.json`` (the raw id of every
-table row, what ``widedp export --format torch`` releases beside the weights). At the end of a run AUC and normalised
-entropy of the final model (valid and test) are added to ``summary.json`` and ``metrics.jsonl`` (``finish``).
+table row). ``widedp export --format torch`` releases the weights and ids.json (``release_parts``), except with
+``data.privacy_unit: user`` when the user table's rows are the data's raw user ids (``withheld_features``): the user
+table and the user ids then stay with the data holder, since together they would list who is in the data. At the end
+of a run AUC and normalised entropy of the final model (valid and test) are added to ``summary.json`` and
+``metrics.jsonl`` (``finish``), with ``metrics_model`` saying which model they score: the released one, or the full
+model the data holder keeps (and then ``release_*``: the released parts alone, the user embedding zero).
 """
 
 from __future__ import annotations
@@ -35,8 +39,17 @@ from widedp.run.checkpoint import write_json
 from widedp.tasks.base import LoopTask
 from widedp.tasks.protocol import Built
 
-IDS_NOT_COVERED = ("the embedding-table sizes and id -> row numbering (computed from the data's distinct ids; "
-                   "data.id_buckets hashes ids into fixed tables instead)")
+#: The gap of a release that lists the data's raw ids (``data.privacy_unit: interaction``, ids not hashed).
+IDS_NOT_COVERED = ("the release lists every raw id present: ids.json names each user and item id of the data (all "
+                   "splits) with its table row, so the table sizes are the numbers of distinct users and items "
+                   "(data.id_buckets hashes ids into fixed tables instead)")
+#: The gap with ``data.privacy_unit: user`` (ids not hashed): the release leaves the user table out
+#: (``withheld_features``); what its item side still tells.
+USER_UNIT_IDS_NOT_COVERED = (
+    "the release leaves the user table and every user id out, but lists every raw item id present (ids.json: each "
+    "item of the data, all splits, with its table row; the item table's size is their number), so an item that only "
+    "one user rated is listed only when that user is in the data; and the number of distinct users set the size of "
+    "the row space the selection ranged over (data.id_buckets hashes ids into fixed tables instead)")
 COUNTED_SPLITS_NOT_COVERED = ("data.splits given as counts: each split's rate n/N uses the number of "
                               "interactions N (fractions do not)")
 
@@ -65,9 +78,52 @@ def ids_document(data: InteractionData) -> dict[str, Any]:
                     "'little') % B (an integral float id x written as int)"}
 
 
+def withheld_features(privacy_unit: str, id_buckets: int, source: str) -> tuple[str, ...]:
+    """The tables a release leaves out: ``("user",)`` when ε protects a user and the user table's rows are the data's
+    raw user ids (not hashed into ``data.id_buckets`` fixed buckets, not the synthetic source's public range 0..U-1):
+    its ids and its size would tell who is in the data. Else none."""
+    return ("user",) if privacy_unit == "user" and not id_buckets and source != "synthetic" else ()
+
+
+def table_key(feature: str) -> str:
+    """The state-dict key of ``feature``'s embedding table (``RecsysModel``)."""
+    return f"ebc.embedding_bags.t_{feature}.weight"
+
+
+WITHHELD_NOTE = (" Tables named in withheld are not in model.pt and have no ids here (data.privacy_unit: user: their "
+                 "rows are the data's users): a user fits their own row against the released tables on their side, "
+                 "or leaves it at zero (the run's release_* metrics).")
+
+
+def release_parts(data: dict[str, Any], state: dict[str, torch.Tensor], ids: dict[str, Any]
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The weights and the ids document a release may hold: ``state`` and ``ids`` (the run's ids.json) without the
+    tables ``withheld_features`` names for ``data`` (the run's resolved ``data:`` section, as config.yaml holds it).
+
+    Raises:
+        ConfigError: a table to leave out is not in the weights (not a recommender's state dict).
+    """
+    gone = withheld_features(str(data.get("privacy_unit", "interaction")), int(data.get("id_buckets") or 0),
+                             str(data.get("source", "")))
+    if not gone:
+        return state, ids
+    missing = [f for f in gone if table_key(f) not in state]
+    if missing:
+        raise ConfigError(f"the weights have no {table_key(missing[0])} to leave out of the release")
+    state = {k: v for k, v in state.items() if k not in {table_key(f) for f in gone}}
+    doc = {**ids, "ids": {f: v for f, v in ids.get("ids", {}).items() if f not in gone}, "withheld": list(gone),
+           "note": str(ids.get("note", "")) + WITHHELD_NOTE}
+    return state, doc
+
+
+#: ``metrics_model`` of a run whose release is the whole model.
+RELEASED_MODEL = "the released model (every table)"
+
+
 class RecsysTask(LoopTask):
     name = "recsys"
-    summary_keys = ("valid_auc", "test_auc", "valid_ne", "test_ne")
+    summary_keys = ("valid_auc", "test_auc", "valid_ne", "test_ne", "metrics_model", "release_test_auc",
+                    "release_test_ne")
 
     def check(self, cfg: Config, *, private: bool) -> None:
         if not private and cfg.train.optimizer == "sparse_adam":
@@ -99,7 +155,9 @@ class RecsysTask(LoopTask):
         unit = ("interaction (one user-item example)" if units.is_per_sample(cfg)
                 else units.unit_name(cfg, "interactions"))
         d = cfg.data
-        gaps = (() if d.source == "synthetic" or d.id_buckets else (IDS_NOT_COVERED,)) + (
+        ids_gap = () if d.source == "synthetic" or d.id_buckets else (
+            (IDS_NOT_COVERED,) if units.is_per_sample(cfg) else (USER_UNIT_IDS_NOT_COVERED,))
+        gaps = ids_gap + (
             (COUNTED_SPLITS_NOT_COVERED,) if counted(d.splits) else ()) + (
             (f"data.max_interactions: {d.max_interactions}: the source is cut to its first {d.max_interactions} "
              "rows by position",) if d.max_interactions else ())
@@ -114,16 +172,29 @@ class RecsysTask(LoopTask):
         except ValueError as e:
             raise ConfigError(f"data: {e}") from None
 
+    def metrics_model(self, cfg: Config) -> str:
+        """Which model the run's losses and metrics score: the released one, or (a table withheld from the release)
+        the full model the data holder keeps, with ``release_*`` metrics for the released parts alone."""
+        gone = withheld_features(cfg.data.privacy_unit, cfg.data.id_buckets, cfg.data.source)
+        if not gone:
+            return RELEASED_MODEL
+        return (f"the full model the data holder keeps ({', '.join(gone)} rows included; the release leaves the "
+                f"{', '.join(gone)} table out): losses, AUC and NE; release_* metrics score the released parts alone "
+                f"(item side: the {', '.join(gone)} embedding zero)")
+
     def finish(self, cfg: Config, out: Path, built: Built) -> dict[str, Any]:
         """AUC, normalised entropy (and BCE) of the final model on the valid and test splits (the first
-        ``train.eval_max_samples`` of each, as the losses)."""
+        ``train.eval_max_samples`` of each, as the losses), ``metrics_model``, and with a table withheld from the
+        release the same metrics of the released parts alone (``release_*``)."""
         model, tc = built.model, cfg.train
+        gone = withheld_features(cfg.data.privacy_unit, cfg.data.id_buckets, cfg.data.source)
         model.eval()
-        res: dict[str, Any] = {}
-        for split in ("valid", "test"):
-            m = model.eval_metrics(built.splits[split], batch_size=tc.eval_batch_size,
-                                   max_samples=tc.eval_max_samples)
-            res.update({f"{split}_{k}": v for k, v in m.items() if k != "bce"})
+        res: dict[str, Any] = {"metrics_model": self.metrics_model(cfg)}
+        for prefix, zero in (("", ()), *((("release_", gone),) if gone else ())):
+            for split in ("valid", "test"):
+                m = model.eval_metrics(built.splits[split], batch_size=tc.eval_batch_size,
+                                       max_samples=tc.eval_max_samples, zero_features=zero)
+                res.update({f"{prefix}{split}_{k}": v for k, v in m.items() if k != "bce"})
         model.train()
         return res
 
