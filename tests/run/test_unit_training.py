@@ -14,6 +14,7 @@ from widedp.accounting.statement import SIZE_NOT_COVERED
 from widedp.cli import main
 from widedp.config import load_config
 from widedp.dp import vocab as vocab_dp
+from widedp.dp.spend import ExponentialSpend, GaussianSpend, StepSpend
 from widedp.errors import ConfigError
 from widedp.run.train import train
 from widedp.tasks.cbow import COUNTED_SPLITS_NOT_COVERED
@@ -87,6 +88,11 @@ def test_sentence_units_with_dp_vocabulary_end_to_end(tmp_path, monkeypatch, cap
     rep = json.loads(capsys.readouterr().out)
     assert rep["epsilon"] == pytest.approx(summary["dp"]["epsilon"], rel=0.05)
     assert rep["epsilon_training_only"] < rep["epsilon"] and rep["privacy_unit"] == "sentence"
+    # the steps alone at dp.delta (the ledger is read at delta - delta_tau; the joint part is that)
+    steps = StepSpend(rep["sampling_rate"], (GaussianSpend(1.0, min(1.0 / 20, 2 * 1.0)), ExponentialSpend(0.5, 4)))
+    by_hand = accounting.compose_epsilon([(steps, rep["steps"])], delta=1e-5)
+    assert rep["epsilon_training_only"] == pytest.approx(by_hand, rel=1e-9)
+    assert by_hand < rep["parts"]["joint"]["pld"]
     assert rep["vocabulary"]["noise_multiplier"] == 2.0 and "sentence (≤ 4 pairs)" in rep["privacy"]
 
 

@@ -21,7 +21,8 @@ from widedp.tasks import AlgorithmTask, get_task
 def epsilon_report(cfg: Config) -> dict[str, Any]:
     """What ``cfg`` would spend (``epsilon``: everything, at ``dp.delta``), its settings, and ``privacy``: the
     statement the run would make. With privacy units, a DP vocabulary or a row pre-selection also ``n_units``,
-    ``privacy_unit``, ..., ``epsilon_training_only`` (the steps alone), ``vocabulary`` and ``preselect``."""
+    ``privacy_unit``, ..., ``epsilon_training_only`` (the steps alone, at ``dp.delta``), ``vocabulary`` and
+    ``preselect``."""
     task = get_task(cfg.task)
     if isinstance(task, AlgorithmTask):
         return task.epsilon_report(cfg)
@@ -68,9 +69,11 @@ def _opacus(rep: dict[str, Any], dp: Any, q: float, steps: int) -> str:
 
 def _with_prefix(rep: dict[str, Any], cfg: Config, plan: run_budget.DPPlan, steps: int) -> None:
     """The DP vocabulary and the row pre-selection composed with the steps: ``epsilon`` covers all, and
-    ``epsilon_training_only`` the steps."""
+    ``epsilon_training_only`` the steps alone at ``dp.delta`` (not at the ledger's δ − δ_τ: what the steps would
+    cost in a run without the prefix)."""
     rb, dp = plan.rb, plan.dp
-    rep["epsilon_training_only"] = rep["epsilon"]
+    rep["epsilon_training_only"] = accounting.compose_epsilon([(plan.spend, steps)] if steps else [], delta=dp.delta,
+                                                              accountant=dp.accountant)
     for key, acct in (("epsilon_pld", "pld"), ("epsilon_rdp", "rdp")):
         rep[key] = run_budget.composed_epsilon(rb, dp, [(plan.spend, steps)], acct)
     rep["epsilon"] = rep["epsilon_pld"] if dp.accountant == "pld" else rep["epsilon_rdp"]
