@@ -6,7 +6,8 @@ windows run over the in-vocabulary token stream; a window of ``window`` words on
 crossing a sentence boundary; one sample per (target, context word) pair (``pair``) or per target (``bag``);
 record-local splits (``widedp.data_prep.splits``: each sample's split, its place in the split and its ``negatives``
 ids — unigram^0.75, never the target — come from a key of the sample's own content, or its sentence's / document's
-with those units, so that adding or removing a unit changes no other sample).
+with those units, so that, for a fixed vocabulary, adding or removing a unit changes no other sample; a vocabulary
+computed from the corpus (``private_top``) changes with it).
 
 The window definition was chosen by counting pairs on Brown with V=1000 (the issue says "about 979K"):
 

@@ -86,16 +86,18 @@ class DataConfig(TokenFilter):
             within its sentence (979,216 pairs on Brown with the paper preset).
         negatives: negative samples per sample, drawn from unigram^0.75, never equal to the target.
         negatives_pool: M > 0: in DP training (``dp.engine: widedp``) every step draws a pool of M ids i.i.d. from
-            unigram^0.75, a function of the run's sampling seed and the step only (never of the data), and each
-            sample's ``negatives`` are drawn uniformly from that pool instead of its stored ones (a pick equal to the
-            sample's target moves to the next pool entry). The pool's output rows are then public for the step:
+            unigram^0.75, a function of the run's sampling seed, the step and that law only (never of the batch: the
+            law is public or released, except with ``private_top``, not covered), and each sample's ``negatives``
+            are drawn uniformly from that pool instead of its stored ones (a pick equal to the sample's target moves
+            to the next pool entry). The pool's output rows are then public for the step:
             noised every step for free, left out of the selection's scores (``dp_step``'s ``public_rows``). 0 = the
             negatives stored with each sample. Evaluation always uses the stored ones.
         sample_shape: ``pair`` (target + one context word, the paper's) or ``bag`` (target + its whole window).
         splits: train / valid / test: fractions of all samples summing to <= 1, or expected counts (rate n / N
             over the N samples: the rate then depends on the data's size, which the privacy statement lists). Each
             sample's split is drawn from a key of its own record (``widedp.data_prep.splits``), so sizes are
-            Binomial, and adding or removing a unit changes no other sample's split.
+            Binomial, and for a fixed vocabulary (``file:`` or ``dp``) adding or removing a unit changes no other
+            sample's split.
         seed: seed of the record keys (the splits and the stored negatives); need not be secret.
         lowercase, alpha_only, remove_stopwords: token filters (``TokenFilter``).
         max_sentences: keep only the first N sentences (0 = all) — for smoke tests.

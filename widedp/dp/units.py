@@ -8,7 +8,7 @@ A training split's samples are grouped into units, jagged::
 
 A unit keeps only its first m samples by a per-record key (CBOW: corpus order, target position then context
 position; recsys: the interaction's index in the train split, which is in record-key order,
-``widedp.data_prep.splits``): a rule applied to each unit alone, so adding or
+``widedp.data_prep.splits``): a rule applied to each unit alone, so (for a fixed vocabulary) adding or
 removing one unit changes no other unit's samples. With DP, Poisson sampling draws UNITS (q = b / N units, b =
 ``train.batch_size`` the expected number of units per batch); a drawn unit brings all its kept samples; the
 per-sample row gradients of a batch are summed per unit (``group_rows``) BEFORE ``widedp.dp.step.dp_step``, which
