@@ -11,6 +11,7 @@
     widedp compare SWEEP.yaml --out DIR [--set key=value ...]  configs x seeds -> curves.png, results.md/.json
     widedp compare SWEEP.yaml --out DIR --overwrite            rerun the runs whose config changed
     widedp compare SWEEP.yaml --out DIR --keep-going           skip (and report) runs whose config fails
+    widedp audit CONFIG --canaries M --out DIR [--per-step]    one-run empirical lower bound on ε (widedp.eval.audit)
 
 Bad input (arguments, config keys, values, files) gives one line on stderr and exit code 2; a new run that fails
 that way leaves no run directory behind (``widedp.run.rundir``). glibc malloc is tuned for large batches first
@@ -78,7 +79,27 @@ def _parser() -> argparse.ArgumentParser:
                    help="a run whose config fails (e.g. an infeasible target epsilon) is reported and skipped; the "
                         "results cover the others and the exit status is 2")
     _canary_parser(sub)
+    _audit_parser(sub)
     return p
+
+
+def _audit_parser(sub: argparse._SubParsersAction) -> None:
+    a = sub.add_parser("audit", help="one-run privacy audit: empirical lower bound on epsilon beside the accountant's")
+    a.add_argument("config", help="CBOW training config (YAML)")
+    a.add_argument("--canaries", type=int, default=1000, help="m: canaries, each included by a secret fair coin "
+                   "(default 1000)")
+    a.add_argument("--out", required=True, help="run directory; gets audit.json and audit.png")
+    a.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable)")
+    a.add_argument("--per-step", action="store_true", help="also score every step's released noisy update (the "
+                   "accountant's adversary; the headline bound then uses it)")
+    a.add_argument("--confidence", type=float, default=0.95, help="one-sided confidence of the bound (default 0.95)")
+    a.add_argument("--canary-scale", type=float, help="norm of each canary row at init (default 2 * dp.clip1)")
+    a.add_argument("--seed", type=int, default=0, help="public seed of the canaries, their init and tie-breaking")
+    a.add_argument("--coin-seed", type=int, help="derive the coins from this seed (tests: NOT secret)")
+    a.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    a.add_argument("--no-plot", action="store_true", help="no audit.png")
+    a.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _canary_parser(sub: argparse._SubParsersAction) -> None:
@@ -187,6 +208,19 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "canary":
         return _canary(args)
+    if args.cmd == "audit":
+        from widedp.config import load_config
+        from widedp.eval.audit import format_line, run_audit
+
+        progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
+        report = run_audit(load_config(args.config, args.overrides), Path(args.out), canaries=args.canaries,
+                           per_step=args.per_step, confidence=args.confidence, scale=args.canary_scale,
+                           seed=args.seed, coin_seed=args.coin_seed, overwrite=args.overwrite, progress=progress,
+                           plot=not args.no_plot)
+        print(json.dumps({k: report[k] for k in ("epsilon_lower", "epsilon", "ratio", "m", "guesses", "correct",
+                                                 "confidence", "primary", "epsilon_cap")}, ensure_ascii=False))
+        print(format_line(report), file=sys.stderr)
+        return 0
     if args.cmd == "compare":
         from widedp.run.compare import compare
         from widedp.run.train import default_out
