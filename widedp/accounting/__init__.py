@@ -8,6 +8,8 @@ adjacency is add/remove and the max over the two directions is reported.
 - ``pld`` (``widedp.accounting.pld``): dominating pair per step, pessimistic discretisation, FFT composition.
 - ``rdp`` (``widedp.accounting.rdp``): RDP curves, Zhu-Wang subsampling (exact sampled Gaussian when the selection
   is free), Balle et al. conversion.
+- ``dp.noise: secure`` steps record ``DiscreteGaussianSpend`` (discrete Gaussian on a grid): RDP only (its curve,
+  at σ/(1 + grid_slack), with the general subsampling bound); the PLD accountant refuses them (``parts``).
 
 ``paper`` is NOT an accountant: the paper's Theorem 3 (``widedp.accounting.paper``) is not a valid bound (it
 under-reports, e.g. q=0.01, T=1, sigma=0.2: 5.8 vs >= 22.6), so every function taking ``accountant=`` refuses it with

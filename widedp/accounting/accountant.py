@@ -13,7 +13,7 @@ from widedp.accounting import pld as pld_mod
 from widedp.accounting import rdp as rdp_mod
 from widedp.accounting.ledger import Ledger, spend_to_json
 from widedp.accounting.parts import Costs, costs_of
-from widedp.dp.spend import GaussianSpend, StepSpend
+from widedp.dp.spend import DiscreteGaussianSpend, GaussianSpend, StepSpend
 from widedp.errors import ConfigError
 
 Accountant = Literal["pld", "rdp"]
@@ -80,18 +80,30 @@ def headline_epsilons(ledger: Ledger, *, delta: float, accountant: Accountant = 
     return {"epsilon": head, "epsilon_accountant": accountant, "epsilon_rdp": rdp}
 
 
+#: The step's noise records (what ``noise_part`` keeps and ``selection_part`` drops).
+_NOISE = (GaussianSpend, DiscreteGaussianSpend)
+
+
 def noise_part(step: StepSpend) -> StepSpend:
-    """The step with only its Gaussian parts (same sampling rate)."""
-    return StepSpend(step.sampling_rate, tuple(p for p in step.parts if isinstance(p, GaussianSpend)))
+    """The step with only its Gaussian parts (the step's noise, continuous or discrete; same sampling rate)."""
+    return StepSpend(step.sampling_rate, tuple(p for p in step.parts if isinstance(p, _NOISE)))
 
 
 def selection_part(step: StepSpend) -> StepSpend:
     """The step without its Gaussian parts (same sampling rate)."""
-    return StepSpend(step.sampling_rate, tuple(p for p in step.parts if not isinstance(p, GaussianSpend)))
+    return StepSpend(step.sampling_rate, tuple(p for p in step.parts if not isinstance(p, _NOISE)))
 
 
 def _json_float(x: float) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def _pld_or_none(runs: list[tuple[Costs, int]], delta: float) -> float | None:
+    """The PLD figure, or None for discrete Gaussian noise (no PLD: ``pld.DISCRETE_REFUSED``)."""
+    try:
+        return pld_mod.pld_epsilon(runs, delta)
+    except pld_mod.PLDNotApplicable:
+        return None
 
 
 def report(step: StepSpend, *, steps: int, delta: float, accountant: Accountant = "pld") -> dict[str, Any]:
@@ -108,10 +120,12 @@ def report(step: StepSpend, *, steps: int, delta: float, accountant: Accountant 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ConfigError(f"steps: must be an integer >= 0, got {steps!r}")
     costs = costs_of(step)
+    if costs.discrete and accountant == "pld":
+        raise pld_mod.PLDNotApplicable(pld_mod.DISCRETE_REFUSED)
     parts: dict[str, dict[str, Any]] = {}
     for name, c in (("noise", costs.noise_only()), ("selection", costs.selection_only()), ("joint", costs)):
         e_rdp, order = rdp_mod.rdp_epsilon([(c, steps)], delta)
-        parts[name] = {"pld": pld_mod.pld_epsilon([(c, steps)], delta), "rdp": e_rdp, "rdp_order": _json_float(order)}
+        parts[name] = {"pld": _pld_or_none([(c, steps)], delta), "rdp": e_rdp, "rdp_order": _json_float(order)}
     out: dict[str, Any] = {
         "epsilon": parts["joint"][accountant],
         "epsilon_pld": parts["joint"]["pld"],
@@ -123,7 +137,7 @@ def report(step: StepSpend, *, steps: int, delta: float, accountant: Accountant 
         "joint_noise_multiplier": costs.joint_sigma,  # with a Gaussian selection folded in (else = noise_multiplier)
         "adjacency": "add_remove",
         "accountant": accountant,
-        "selection": [spend_to_json(p) for p in step.parts if not isinstance(p, GaussianSpend)],
+        "selection": [spend_to_json(p) for p in step.parts if not isinstance(p, _NOISE)],
         "parts": parts,
         "method": {
             "pld": "dominating pair per step: N(1,s^2) x selection pair (bounded-range envelope per exponential pick, "
@@ -133,6 +147,11 @@ def report(step: StepSpend, *, steps: int, delta: float, accountant: Accountant 
             "selection is free), Balle et al. conversion",
         },
     }
+    if costs.discrete:  # dp.noise: secure
+        out["noise"] = "discrete Gaussian (dp.noise: secure): RDP only, noise multiplier charged sigma/(1 + grid_slack)"
+        out["method"]["pld"] = pld_mod.DISCRETE_REFUSED
+        out["method"]["rdp"] = ("sum of parts' RDP (the discrete Gaussian's bound alpha/(2 s^2), Canonne-Kamath-"
+                                "Steinke 2020), Zhu-Wang general subsampling once per step, Balle et al. conversion")
     if steps > 0:
         out[paper_mod.REFERENCE_KEY] = paper_mod.paper_theorem3_reference([(step, steps)], delta)
     return out

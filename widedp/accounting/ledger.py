@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from widedp.dp.spend import (
+    DiscreteGaussianSpend,
     ExponentialSpend,
     FreeSpend,
     GaussianSelectionSpend,
@@ -33,6 +34,7 @@ FORMAT = "widedp.ledger/1"
 #: JSON ``kind`` of each spend record type (explicit both ways; no registry).
 _KIND_OF: dict[type, str] = {
     GaussianSpend: "gaussian",
+    DiscreteGaussianSpend: "discrete_gaussian",
     GaussianSelectionSpend: "gaussian_selection",
     ExponentialSpend: "exponential",
     SparseVectorSpend: "sparse_vector",

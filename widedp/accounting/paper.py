@@ -25,7 +25,14 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from widedp.dp.spend import ExponentialSpend, GaussianSelectionSpend, GaussianSpend, SparseVectorSpend, StepSpend
+from widedp.dp.spend import (
+    DiscreteGaussianSpend,
+    ExponentialSpend,
+    GaussianSelectionSpend,
+    GaussianSpend,
+    SparseVectorSpend,
+    StepSpend,
+)
 from widedp.errors import ConfigError
 
 #: The key under which reports carry the paper's figure (the name is the label).
@@ -51,6 +58,8 @@ def per_step_epsilon(step: StepSpend, delta_prime: float) -> tuple[float, float]
             sel += p.cutoff * (p.epsilon + p.epsilon_release)
         elif isinstance(p, (GaussianSpend, GaussianSelectionSpend)) and math.isfinite(p.noise_multiplier):
             inv_var += p.noise_multiplier**-2
+        elif isinstance(p, DiscreteGaussianSpend) and math.isfinite(p.noise_multiplier):
+            inv_var += p.effective_multiplier**-2
     noise = 2.0 * math.sqrt(2.0 * math.log(1.25 / delta_prime)) * math.sqrt(inv_var)
     return sel, noise
 

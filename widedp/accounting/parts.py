@@ -5,6 +5,11 @@ worst-case (dominating) pair or an RDP curve:
 
 - all ``GaussianSpend`` parts together are one Gaussian with noise multiplier ``(sum sigma_i^-2)^(-1/2)``
   (``noise_multiplier`` is already relative to ``sensitivity``, so ``sensitivity`` is not used);
+- a ``DiscreteGaussianSpend`` (``dp.noise: secure``) folds in the same way at its ``effective_multiplier``
+  σ/(1 + grid_slack) — as an RDP curve only: the discrete Gaussian meets the continuous one's RDP bound α/(2σ²) for
+  integer shifts (Canonne, Kamath & Steinke 2020, Thm. 14) and RDP composition adds curves, but its privacy-loss
+  distribution, and its subsampled RDP, are not the continuous Gaussian's. ``Costs.discrete`` marks such a step:
+  the RDP accountant then subsamples it with the general bound and the PLD accountant refuses it;
 - a ``GaussianSelectionSpend`` (Gaussian contribution thresholding) is a Gaussian mechanism on the same batch too:
   it folds into that Gaussian exactly. With ℓ2 sensitivities Δ_i and noise σ_iΔ_i, one add/remove moves the means by
   μ_i with ||μ_i|| <= Δ_i; the joint privacy loss is that of N(0, I) vs N(m, I) with ||m||² = Σ ||μ_i||²/(σ_iΔ_i)²
@@ -24,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from widedp.dp.spend import (
+    DiscreteGaussianSpend,
     ExponentialSpend,
     FreeSpend,
     GaussianSelectionSpend,
@@ -45,6 +51,9 @@ class Costs:
         pure: ((epsilon, count), ...): ``count`` mechanisms each pure epsilon-DP.
         selection_sigma: noise multiplier of the selection's Gaussian mechanisms (``GaussianSelectionSpend``,
             folded), or None.
+        discrete: the step's noise includes a ``DiscreteGaussianSpend`` (folded into ``sigma`` at its effective
+            multiplier): only its RDP curve is known, so no accountant may use the continuous Gaussian's exact
+            subsampled RDP or PLD for it.
 
     The accountants use ``joint_sigma`` (every Gaussian of the step folded) and ``is_gaussian``.
     """
@@ -54,6 +63,7 @@ class Costs:
     bounded_range: tuple[tuple[float, int], ...] = ()
     pure: tuple[tuple[float, int], ...] = ()
     selection_sigma: float | None = None
+    discrete: bool = False
 
     @property
     def joint_sigma(self) -> float | None:
@@ -74,8 +84,14 @@ class Costs:
     def is_free(self) -> bool:
         return self.joint_sigma is None and self.is_gaussian
 
+    @property
+    def exact_gaussian(self) -> bool:
+        """Exactly one subsampled continuous Gaussian (Gaussian selections folded in), or free: the accountants'
+        closed forms (sampled-Gaussian RDP, Gaussian PLD) apply."""
+        return self.is_gaussian and not self.discrete
+
     def noise_only(self) -> Costs:
-        return Costs(self.q, self.sigma)
+        return Costs(self.q, self.sigma, discrete=self.discrete)
 
     def selection_only(self) -> Costs:
         return Costs(self.q, None, self.bounded_range, self.pure, self.selection_sigma)
@@ -105,12 +121,16 @@ def costs_of(step: StepSpend) -> Costs:
     q = step.sampling_rate
     if not (isinstance(q, (int, float)) and 0 < q <= 1):
         raise ConfigError(f"sampling_rate: must be in (0, 1], got {q!r}")
-    inv_var, inv_var_sel = 0.0, 0.0
+    inv_var, inv_var_sel, discrete = 0.0, 0.0, False
     br: dict[float, int] = {}
     pure: dict[float, int] = {}
     for part in step.parts:
         if isinstance(part, GaussianSpend):
             inv_var += _inverse_variance("noise_multiplier", part.noise_multiplier)
+        elif isinstance(part, DiscreteGaussianSpend):
+            _check_eps("discrete_gaussian grid_slack", part.grid_slack)
+            inv_var += _inverse_variance("noise_multiplier", part.noise_multiplier) * (1.0 + part.grid_slack) ** 2
+            discrete = True
         elif isinstance(part, GaussianSelectionSpend):
             inv_var_sel += _inverse_variance("selection noise_multiplier", part.noise_multiplier)
         elif isinstance(part, ExponentialSpend):
@@ -132,4 +152,4 @@ def costs_of(step: StepSpend) -> Costs:
             raise ConfigError(f"accounting: unknown spend record {part!r}")
     sigma = inv_var**-0.5 if inv_var > 0 else None
     sel_sigma = inv_var_sel**-0.5 if inv_var_sel > 0 else None
-    return Costs(float(q), sigma, tuple(sorted(br.items())), tuple(sorted(pure.items())), sel_sigma)
+    return Costs(float(q), sigma, tuple(sorted(br.items())), tuple(sorted(pure.items())), sel_sigma, discrete)

@@ -55,6 +55,7 @@ from dp_accounting.pld import privacy_loss_distribution as pldm
 from scipy.special import log_ndtr, ndtr
 
 from widedp.accounting.parts import Costs
+from widedp.dp.spend import DISCRETE_PLD_REFUSED
 from widedp.errors import ConfigError
 
 DEFAULT_DISCRETIZATION = 1e-4
@@ -68,6 +69,14 @@ PLD = pldm.PrivacyLossDistribution
 
 class PLDRangeError(ConfigError):
     """The privacy-loss range is too wide for a PLD grid (tiny sigma or huge selection epsilon)."""
+
+
+#: Why a step with discrete Gaussian noise (``dp.noise: secure``) has no PLD here (also the config's error).
+DISCRETE_REFUSED = DISCRETE_PLD_REFUSED
+
+
+class PLDNotApplicable(ConfigError):
+    """The ledger holds a step whose privacy-loss distribution this accountant does not model (discrete noise)."""
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -285,6 +294,8 @@ def step_pld(costs: Costs, d: float = DEFAULT_DISCRETIZATION) -> PLD:
         return pldm.identity(d)
     if costs.q >= 1.0:
         return PLD(product_pmf(costs, d))
+    if costs.discrete:
+        raise PLDNotApplicable(DISCRETE_REFUSED)
     if costs.is_gaussian:  # exactly one subsampled Gaussian (Gaussian selections folded in)
         return _check_mass(subsampled_pld(GaussianHockeyStick(costs.joint_sigma), costs.q, d), 1e-6, "this step")
     return _check_mass(subsampled_pld(HockeyStick(product_pmf(costs, d)), costs.q, d), 1e-6, "this step")
@@ -292,6 +303,8 @@ def step_pld(costs: Costs, d: float = DEFAULT_DISCRETIZATION) -> PLD:
 
 def compose_pld(runs: Sequence[tuple[Costs, int]], d: float = DEFAULT_DISCRETIZATION) -> PLD:
     """Composition of ``count`` steps of each run, run after run (self-composition by FFT)."""
+    if any(costs.discrete and n > 0 for costs, n in runs):
+        raise PLDNotApplicable(DISCRETE_REFUSED)
     out = None
     for costs, n in runs:
         if n <= 0 or costs.is_free:

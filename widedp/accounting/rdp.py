@@ -10,9 +10,11 @@ Curves at order alpha > 1 (privacy.md §3):
 
 A step's curve is the SUM over its parts (composition on the same batch), then Poisson(q) subsampling is applied
 ONCE with the general bound of Zhu & Wang 2019 (Thm. 9; integer alpha >= 2; we also take the min with the
-unsubsampled curve, valid by quasi-convexity of the Renyi divergence). When the step's only cost is Gaussian noise
-(a Gaussian selection folded in) the exact sampled-Gaussian RDP is used (Mironov et al. 2019;
-``sampled_gaussian_rdp``, a port of Opacus' ``compute_rdp`` tested against it) at Opacus' default orders.
+unsubsampled curve, valid by quasi-convexity of the Renyi divergence). When the step's only cost is continuous
+Gaussian noise (a Gaussian selection folded in) the exact sampled-Gaussian RDP is used (Mironov et al. 2019;
+``sampled_gaussian_rdp``, a port of Opacus' ``compute_rdp`` tested against it) at Opacus' default orders. A step with
+discrete Gaussian noise (``dp.noise: secure``, ``Costs.discrete``) always takes the general bound: only its
+unsubsampled curve alpha / (2 sigma_eff^2) is known (Canonne, Kamath & Steinke 2020), not its subsampled RDP.
 RDP -> (eps, delta): eps = min_alpha [eps(alpha) + ln((alpha-1)/alpha) - (ln delta + ln alpha)/(alpha-1)]
 (Balle et al. 2020; what Opacus' ``get_privacy_spent`` computes).
 """
@@ -155,7 +157,7 @@ def step_rdp(costs: Costs, orders: tuple[float, ...]) -> np.ndarray:
     """Per-step (subsampled) RDP of ``costs`` at ``orders``. Returns [len(orders)] (read-only)."""
     if costs.is_free:
         out = np.zeros(len(orders))
-    elif costs.is_gaussian:  # exactly one subsampled Gaussian (Gaussian selections folded in)
+    elif costs.exact_gaussian:  # exactly one subsampled continuous Gaussian (Gaussian selections folded in)
         out = np.array([sampled_gaussian_rdp(costs.q, costs.joint_sigma, a) for a in orders])
     else:
         top = int(max(orders))
@@ -166,8 +168,8 @@ def step_rdp(costs: Costs, orders: tuple[float, ...]) -> np.ndarray:
 
 
 def orders_for(costs: Sequence[Costs]) -> tuple[float, ...]:
-    """Opacus' grid when every step is Gaussian-only (or free), else the integer grid."""
-    return OPACUS_ORDERS if all(c.is_gaussian for c in costs) else INTEGER_ORDERS
+    """Opacus' grid when every step is continuous-Gaussian-only (or free), else the integer grid."""
+    return OPACUS_ORDERS if all(c.exact_gaussian for c in costs) else INTEGER_ORDERS
 
 
 def rdp_to_epsilon(orders: Sequence[float], rdp: np.ndarray, delta: float) -> tuple[float, float]:

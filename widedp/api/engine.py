@@ -124,19 +124,22 @@ class PrivacyEngine:
             ``statement()`` says so.
         sampling_rate: q, fixed here (an epoch = round(1/q) steps); None = batch_size / len(dataset), which uses the
             data's size (the statement lists it as not covered).
+        noise: ``gaussian`` (default) | ``secure``: floating-point-safe discrete Gaussian noise on a grid (as
+            ``dp.noise``; needs ``accountant="rdp"``).
     """
 
     def __init__(self, *, selection: SelectionConfig | dict[str, Any] | str, clip1: float, clip2: float | None = None,
                  noise_multiplier: float | None = None, target_epsilon: float | None = None, delta: float = 1e-5,
                  privacy_unit: str = "example", accountant: Literal["pld", "rdp"] = "pld", secure_rng: bool = True,
-                 seed: int = 0, sampling_rate: float | None = None) -> None:
+                 seed: int = 0, sampling_rate: float | None = None,
+                 noise: Literal["gaussian", "secure"] = "gaussian") -> None:
         if noise_multiplier is None and target_epsilon is None:
             raise ConfigError("PrivacyEngine: give noise_multiplier, target_epsilon, or both")
         sigma = 1.0 if noise_multiplier is None else noise_multiplier  # 1.0: a placeholder until calibrated
         self._dp = DPConfig(clip1=clip1, clip2=clip2, noise_multiplier=sigma, delta=delta,
                             accountant=accountant, target_epsilon=target_epsilon,
                             rng="secure" if secure_rng else "reproducible", selection=selection_config(selection),
-                            sampling_rate=sampling_rate)
+                            sampling_rate=sampling_rate, noise=noise)
         self._sigma_given = noise_multiplier is not None
         self.privacy_unit = privacy_unit
         self._seeds = rng.new_seeds(mode=self._dp.rng, seed=seed)
@@ -226,7 +229,7 @@ class PrivacyEngine:
         """What one step spends at noise multiplier ``sigma`` (the record ``dp_step`` emits)."""
         dp = self._dp
         return dp_step_spend(self._selector, sampling_rate=self.sampling_rate, noise_multiplier=sigma, clip1=dp.clip1,
-                             clip2=dp.clip2, batch_size=self.batch_size)
+                             clip2=dp.clip2, batch_size=self.batch_size, noise=dp.noise)
 
     def _start_randomness(self, seeds: rng.RunSeeds) -> None:
         self._seeds = seeds
@@ -354,7 +357,7 @@ class PrivacyEngine:
             res = dp_step(g, batch_size=self.batch_size, sampling_rate=self.sampling_rate, clip1=dp.clip1,
                           clip2=dp.clip2, noise_multiplier=dp.noise_multiplier, selector=self._selector,
                           ctx=SelectionContext(epoch=epoch, num_epochs=self.epochs), generator=self._noise,
-                          always_rows=self.layout.always_rows)
+                          always_rows=self.layout.always_rows, noise=dp.noise)
             self._updater.apply(res.grad)
         self.ledger.add(res.spend)
         self.steps += 1
@@ -385,7 +388,7 @@ class PrivacyEngine:
         return {"n": self.n, "batch_size": self.batch_size, "epochs": self.epochs, "num_rows": self.layout.num_rows,
                 "noise_multiplier": dp.noise_multiplier, "clip1": dp.clip1, "clip2": dp.clip2, "delta": dp.delta,
                 "accountant": dp.accountant, "selection": dataclasses.asdict(dp.selection),
-                "sampling_rate": dp.sampling_rate}
+                "sampling_rate": dp.sampling_rate, **({"noise": dp.noise} if dp.noise != "gaussian" else {})}
 
     def state_dict(self) -> dict[str, Any]:
         """Step, ledger (JSON), table optimizer state and the settings they belong to; no seed, no generator state

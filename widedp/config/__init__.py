@@ -46,6 +46,7 @@ from widedp.config.tools import (
     section,
     show,
 )
+from widedp.dp.spend import DISCRETE_PLD_REFUSED
 from widedp.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------------------- model
@@ -142,6 +143,12 @@ class DPConfig:
         delta: the delta of the reported (epsilon, delta).
         rng: ``secure`` (default: sampling, selection and noise seeded from the OS CSPRNG, seeds kept only in
             RUN/private/) | ``reproducible`` (derived from train.seed, for tests and debugging: NOT private).
+        noise: the step's noise: ``gaussian`` (default: torch's continuous sampler, x + N(0, (σΔ₂)²) in floating
+            point) | ``secure`` (Δ̂ rounded onto a power-of-two grid plus discrete Gaussian noise, the released
+            values a function of an integer only: no floating-point artefact of the sampler reaches them;
+            ``widedp.dp.noise.snapped_release``). Secure needs ``accountant: rdp`` (RDP only, σ charged as
+            σ/(1 + 2^-10)), the widedp engine, and no other release of continuous noisy values
+            (``selection.release_values``, ``data.vocabulary: dp``).
         accountant: ``pld`` (headline) | ``rdp``. (``paper``, the paper's Theorem 3, is refused: not a valid bound;
             ``widedp epsilon`` shows its figure as a labelled reference.)
         target_epsilon: stop training before the spent epsilon would exceed it (and calibrate, see ``calibrate``).
@@ -163,6 +170,7 @@ class DPConfig:
     noise_multiplier: float = 0.5
     delta: float = 1e-5
     rng: Literal["secure", "reproducible"] = "secure"
+    noise: Literal["gaussian", "secure"] = "gaussian"
     accountant: Literal["pld", "rdp", "paper"] = "pld"  # "paper" only to refuse it with its reason (__post_init__)
     target_epsilon: float | None = None
     calibrate: Literal["none", "noise_multiplier", "selection_epsilon"] = "none"
@@ -174,6 +182,7 @@ class DPConfig:
     def __post_init__(self) -> None:
         if self.sampling_rate is not None and not 0 < self.sampling_rate <= 1:
             raise ConfigError(f"dp.sampling_rate: must be in (0, 1], got {self.sampling_rate}")
+        self._check_noise()
         if self.engine == "opacus" and self.selection.name != "all":
             raise ConfigError(
                 f"dp.engine: opacus runs DP-SGD only (dp.selection.name: all), not {self.selection.name!r}"
@@ -199,6 +208,22 @@ class DPConfig:
             raise ConfigError(
                 f"dp.calibrate: selection_epsilon needs a data-dependent selection, not {self.selection.name!r}"
             )
+
+
+    def _check_noise(self) -> None:
+        """``noise``'s value and what ``noise: secure`` does not cover (one line naming the key)."""
+        if self.noise not in ("gaussian", "secure"):
+            raise ConfigError(f"dp.noise: expected one of gaussian, secure, got {show(self.noise)}")
+        if self.noise != "secure":
+            return
+        if self.engine != "widedp":
+            raise ConfigError(f"dp.noise: secure is widedp's own step; dp.engine: {self.engine} draws its own "
+                              "continuous Gaussian noise (use dp.noise: gaussian there)")
+        if self.accountant != "rdp":
+            raise ConfigError(DISCRETE_PLD_REFUSED)
+        if getattr(self.selection, "release_values", False):
+            raise ConfigError("dp.noise: secure does not cover dp.selection.release_values: true (its Laplace values "
+                              "are released as floats); set release_values: false or dp.noise: gaussian")
 
 
 # --------------------------------------------------------------------------------------------------------- top
@@ -233,6 +258,8 @@ class Config:
             del pre["table_rows"]
         if d.get("dp") is not None and d["dp"].get("sampling_rate") is None:  # (added later: hashes only when set)
             d["dp"].pop("sampling_rate", None)
+        if d.get("dp") is not None and d["dp"].get("noise") == "gaussian":  # (added later: hashes when not default)
+            d["dp"].pop("noise", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -288,8 +315,8 @@ def _dp_config(dp_raw: Any) -> DPConfig | None:
         if given:
             raise
         raise ConfigError(f"dp.selection: not given, and the default ({e}) fails; dp: has only "
-                          f"{', '.join(sorted(dp_raw)) or 'no keys'} (an override on a non-private config makes such a "
-                          "section: give dp.selection, or leave the config non-private)") from None
+                          f"{', '.join(sorted(map(str, dp_raw))) or 'no keys'} (an override on a non-private config "
+                          "makes such a section: give dp.selection, or leave the config non-private)") from None
     return build("dp", DPConfig, dp_raw, selection=selection, preselect=preselect)
 
 
@@ -308,7 +335,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         if not isinstance(preset, str) or preset not in presets:
             raise ConfigError(f"data.preset: unknown preset {show(preset)} (expected one of {', '.join(presets)})")
         data_raw = {**presets[preset], **data_raw}
-    return Config(
+    cfg = Config(
         data=build("data", data_cls, data_raw),
         model=build("model", model_cls, section(raw, "model")),
         train=build("train", TrainConfig, section(raw, "train")),
@@ -316,3 +343,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         task=task,
         algorithm=build("algorithm", algo_cls, section(raw, "algorithm")) if algo_cls else None,
     )
+    if cfg.dp is not None and cfg.dp.noise == "secure" and getattr(cfg.data, "vocabulary", None) == "dp":
+        raise ConfigError("dp.noise: secure does not cover data.vocabulary: dp (its noisy counts are continuous "
+                          "Gaussians, released as floats); use another data.vocabulary or dp.noise: gaussian")
+    return cfg

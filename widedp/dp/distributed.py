@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
 from widedp.dp.clipping import SampleNorms, aggregate, clip_per_sample, restrict, sample_scale, sample_sumsq
-from widedp.dp.noise import exponential, gaussian_noise, gumbel, sensitivity
+from widedp.dp.noise import exponential, gaussian_noise, gumbel, noisy, sensitivity
 from widedp.dp.optim import RowOptimizer
 from widedp.dp.rowgrads import PerSampleRows, SparseRows, coalesce
 from widedp.dp.selection import ExponentialSelector, SelectionContext, Selector, sample_distinct
@@ -282,7 +282,7 @@ def sharded_gumbel_topk(touched: Tensor, logits: Tensor, shard: RowShard, *, k: 
 def distributed_dp_step(local: PerSampleRows, g_dense: Tensor, shard: RowShard, *, batch_size: float,
                         sampling_rate: float, clip1: float, clip2: float | None, noise_multiplier: float,
                         selector: Selector, ctx: SelectionContext, generator: torch.Generator,
-                        shared_generator: torch.Generator) -> DistStepResult:
+                        shared_generator: torch.Generator, noise: str = "gaussian") -> DistStepResult:
     """``widedp.dp.step.dp_step`` (with the dense rows always selected) over row-sharded tables (module docstring).
 
     Args:
@@ -290,6 +290,8 @@ def distributed_dp_step(local: PerSampleRows, g_dense: Tensor, shard: RowShard, 
         g_dense: [B, A, D] per-sample MLP gradients (identical on every rank).
         generator: this rank's own (Gumbel keys of own rows, noise of own rows; rank 0: MLP noise).
         shared_generator: seeded identically on every rank (data-independent and gathered selections).
+        noise: ``gaussian`` | ``secure`` (``widedp.dp.noise.snapped_release`` on each rank's own rows and, on rank 0,
+            the MLP rows, broadcast; one grid for the whole release: d = (selected + MLP rows)·D, as in one process).
     """
     R, A, D = shard.num_rows, shard.num_dense_rows, g_dense.shape[2]
     B, dev = g_dense.shape[0], g_dense.device
@@ -342,17 +344,34 @@ def distributed_dp_step(local: PerSampleRows, g_dense: Tensor, shard: RowShard, 
     if clip2 is not None:
         f2 = ((sq2 + ghat_dense.square().sum()).sqrt() / clip2).clamp_(min=1.0).reciprocal_()
         delta, ghat_dense = delta * f2, ghat_dense * f2
-    std = noise_multiplier * d2
-    delta = delta + gaussian_noise(delta.shape, std=std, generator=generator, device=delta.device, dtype=delta.dtype)
-    dense_noise = torch.zeros_like(ghat_dense)
-    if shard.rank == 0:
-        dense_noise = gaussian_noise((A, D), std=std, generator=generator, device=delta.device, dtype=delta.dtype)
-    dist.broadcast(dense_noise, src=0)
+    std, dim = noise_multiplier * d2, (sel.numel() + A) * D  # dim: every coordinate the step releases
+    delta = noisy(delta, std=std, sensitivity=d2, noise=noise, generator=generator, released_dim=dim)
+    dense = _noisy_dense(ghat_dense, std=std, sensitivity=d2, noise=noise, generator=generator, rank=shard.rank,
+                         released_dim=dim, dtype=delta.dtype)
     dense_ids = torch.arange(R, R + A, device=sel.device)
-    grad = SparseRows(torch.cat([own_sel, dense_ids]), torch.cat([delta, ghat_dense + dense_noise]), R + A)
+    grad = SparseRows(torch.cat([own_sel, dense_ids]), torch.cat([delta, dense]), R + A)
     spend = dp_step_spend(selector, sampling_rate=sampling_rate, noise_multiplier=noise_multiplier, clip1=clip1,
-                          clip2=clip2, batch_size=batch_size)
+                          clip2=clip2, batch_size=batch_size, noise=noise)
     return DistStepResult(grad, torch.cat([sel, dense_ids]), spend, clip.nonfinite.sum())
+
+
+def _noisy_dense(ghat_dense: Tensor, *, std: float, sensitivity: float, noise: str, generator: torch.Generator,
+                 rank: int, released_dim: int, dtype: torch.dtype) -> Tensor:
+    """[A, D] the MLP rows' released values, equal on every rank: ``gaussian``: ĝ + rank 0's noise (``dtype``),
+    broadcast (the replicas' ĝ are equal); ``secure``: rank 0's ``snapped_release`` of ĝ, broadcast."""
+    if noise == "secure":
+        out = torch.zeros_like(ghat_dense)
+        if rank == 0:
+            out = noisy(ghat_dense, std=std, sensitivity=sensitivity, noise=noise, generator=generator,
+                        released_dim=released_dim)
+        dist.broadcast(out, src=0)
+        return out
+    dense_noise = torch.zeros_like(ghat_dense, dtype=dtype)
+    if rank == 0:
+        dense_noise = gaussian_noise(ghat_dense.shape, std=std, generator=generator, device=ghat_dense.device,
+                                     dtype=dtype)
+    dist.broadcast(dense_noise, src=0)
+    return ghat_dense + dense_noise
 
 
 def apply_update(model: ShardedRecsys, optimizer: RowOptimizer, grad: SparseRows) -> None:

@@ -17,6 +17,34 @@ class GaussianSpend:
     sensitivity: float = 1.0
 
 
+#: Why the PLD accountant refuses ``DiscreteGaussianSpend`` (the config's error for dp.noise: secure with pld too).
+DISCRETE_PLD_REFUSED = ("dp.accountant: pld does not cover dp.noise: secure (the discrete Gaussian's privacy-loss "
+                        "distribution is not the continuous Gaussian's; widedp bounds it by RDP only); set "
+                        "dp.accountant: rdp")
+
+
+@dataclass(frozen=True)
+class DiscreteGaussianSpend:
+    """The step's noise under ``dp.noise: secure`` (``widedp.dp.noise.snapped_release``): Δ̂ rounded onto a grid γ
+    with γ·√d <= ``grid_slack``·Δ₂ (d coordinates released), plus discrete Gaussian noise of std
+    ``noise_multiplier * sensitivity`` on that grid.
+
+    The rounded vector's ℓ2 sensitivity is at most (1 + grid_slack)·Δ₂, and the multivariate discrete Gaussian
+    satisfies the continuous Gaussian's RDP bound α·Δ²/(2s²) for integer shifts of ℓ2 norm <= Δ (Canonne, Kamath &
+    Steinke 2020, Thm. 14), so the accountant charges a Gaussian RDP curve of noise multiplier
+    ``effective_multiplier`` = σ / (1 + grid_slack) — by RDP only, with the general subsampling bound (the exact
+    sampled-Gaussian RDP and the PLD are the continuous Gaussian's: ``widedp.accounting.parts``).
+    """
+
+    noise_multiplier: float
+    sensitivity: float = 1.0
+    grid_slack: float = 2.0**-10
+
+    @property
+    def effective_multiplier(self) -> float:
+        return self.noise_multiplier / (1.0 + self.grid_slack)
+
+
 @dataclass(frozen=True)
 class GaussianSelectionSpend:
     """A selection that is itself a Gaussian mechanism on the step's batch: N(0, (noise_multiplier·sensitivity)²) on
@@ -59,7 +87,8 @@ class FreeSpend:
     name: str
 
 
-Spend = GaussianSpend | GaussianSelectionSpend | ExponentialSpend | SparseVectorSpend | FreeSpend
+Spend = (GaussianSpend | DiscreteGaussianSpend | GaussianSelectionSpend | ExponentialSpend | SparseVectorSpend
+         | FreeSpend)
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ import torch
 from torch import Tensor
 
 from widedp.dp.clipping import clip_aggregate, clip_l2, restrict
-from widedp.dp.noise import gaussian_noise, sensitivity
+from widedp.dp.noise import GRID_SLACK, noisy, sensitivity
 from widedp.dp.rowgrads import PerSampleRows, SparseRows
 from widedp.dp.selection import SelectionContext, Selector
 from widedp.dp.selection.scores import selection_scores
-from widedp.dp.spend import GaussianSpend, StepSpend
+from widedp.dp.spend import DiscreteGaussianSpend, GaussianSpend, StepSpend
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,16 @@ class StepResult:
 
 
 def dp_step_spend(selector: Selector, *, sampling_rate: float, noise_multiplier: float, clip1: float,
-                  clip2: float | None, batch_size: float) -> StepSpend:
+                  clip2: float | None, batch_size: float, noise: str = "gaussian") -> StepSpend:
     """What one ``dp_step`` with these arguments spends, known before it runs: the Gaussian noise at
-    Δ₂ = min(S1/b, 2·S2) and ``selector.spend()``, on the same Poisson(q) batch (composed jointly by the accountant).
-    The one statement of a step's cost: the step, the distributed step and the budget (``widedp.run.budget``) use it.
+    Δ₂ = min(S1/b, 2·S2) (``noise: secure``: the discrete Gaussian on a grid, ``DiscreteGaussianSpend``) and
+    ``selector.spend()``, on the same Poisson(q) batch (composed jointly by the accountant). The one statement of a
+    step's cost: the step, the distributed step and the budget (``widedp.run.budget``) use it.
     """
     d2 = sensitivity(clip1=clip1, clip2=clip2, batch_size=batch_size)
-    return StepSpend(sampling_rate, (GaussianSpend(noise_multiplier, d2), selector.spend()))
+    part = (DiscreteGaussianSpend(noise_multiplier, d2, GRID_SLACK) if noise == "secure"
+            else GaussianSpend(noise_multiplier, d2))
+    return StepSpend(sampling_rate, (part, selector.spend()))
 
 
 def dp_step(
@@ -76,6 +79,7 @@ def dp_step(
     always_rows: int | None = None,
     fused: bool | None = None,
     public_rows: Tensor | None = None,
+    noise: str = "gaussian",
 ) -> StepResult:
     """One DP step on a Poisson(q) batch of per-sample row gradients (B may be 0).
 
@@ -95,10 +99,14 @@ def dp_step(
     ``fused``: clip and aggregate in one native pass (C++ on the CPU, Triton on CUDA: ``clipping.clip_aggregate``;
     None: when available).
 
-    ``public_rows`` [P] sorted unique selectable ids chosen without looking at the data (``data.negatives_pool``'s
-    pool): selected this step besides the mechanism's picks, for free (their inclusion is data-independent), with
-    the same clip and noise; the scores see only the other rows (a sample's contribution is normalised over its
-    non-public rows), as if the public ones were untouched. None = no public rows.
+    ``public_rows`` [P] sorted unique selectable ids chosen without looking at the batch (``data.negatives_pool``'s
+    pool): selected this step besides the mechanism's picks, for free (their inclusion does not depend on the
+    batch), with the same clip and noise; the scores see only the other rows (a sample's contribution is
+    normalised over its non-public rows), as if the public ones were untouched. None = no public rows.
+
+    ``noise``: ``gaussian`` (Δ̂ + torch's N(0, (σΔ₂)²) draws) | ``secure`` (``widedp.dp.noise.snapped_release``: Δ̂
+    rounded onto a power-of-two grid plus discrete Gaussian noise of the same std, exact multiples of the grid;
+    charged as ``DiscreteGaussianSpend``). Unselected rows are untouched either way.
     """
     n_always = getattr(g, "always_rows", 0) if always_rows is None else always_rows
     selectable = g.num_rows - n_always
@@ -123,9 +131,7 @@ def dp_step(
     delta, hit = restrict(touched, ghat, selected)  # [k, D]; zeros on selected rows the batch did not touch
     delta, clipped2 = clip_l2(delta, clip=clip2)
     d2 = sensitivity(clip1=clip1, clip2=clip2, batch_size=batch_size)
-    noise = gaussian_noise(
-        delta.shape, std=noise_multiplier * d2, generator=generator, device=delta.device, dtype=delta.dtype
-    )
+    released = noisy(delta, std=noise_multiplier * d2, sensitivity=d2, noise=noise, generator=generator)
 
     k, b = selected.numel(), g.batch_size
     stats = StepStats(
@@ -136,5 +142,5 @@ def dp_step(
         nonfinite=clip.nonfinite.sum(),
     )
     spend = dp_step_spend(selector, sampling_rate=sampling_rate, noise_multiplier=noise_multiplier, clip1=clip1,
-                          clip2=clip2, batch_size=batch_size)
-    return StepResult(SparseRows(selected, delta + noise, g.num_rows), selected, spend, stats)
+                          clip2=clip2, batch_size=batch_size, noise=noise)
+    return StepResult(SparseRows(selected, released, g.num_rows), selected, spend, stats)

@@ -43,7 +43,8 @@ def step_spend(dp: DPConfig, *, num_rows: int, batch_size: int, n: int) -> StepS
     """The StepSpend every step of this config emits: ``dp_step_spend`` of the selector ``make_selector`` builds over
     the model's R = ``num_rows`` rows (the record the step itself emits)."""
     return dp_step_spend(make_selector(dp.selection, num_rows=num_rows), sampling_rate=sampling_rate(dp, batch_size, n),
-                         noise_multiplier=dp.noise_multiplier, clip1=dp.clip1, clip2=dp.clip2, batch_size=batch_size)
+                         noise_multiplier=dp.noise_multiplier, clip1=dp.clip1, clip2=dp.clip2, batch_size=batch_size,
+                         noise=dp.noise)
 
 
 def vocabulary_spend(vocab_dp: Any) -> StepSpend:

@@ -120,7 +120,7 @@ class ShardedDPEngine(SparseDPEngine):
                                       sampling_rate=self.sampling_rate, clip1=dp.clip1, clip2=dp.clip2,
                                       noise_multiplier=dp.noise_multiplier, selector=self.selector,
                                       ctx=SelectionContext(epoch=epoch, num_epochs=self.cfg.train.epochs),
-                                      generator=self.noise_gen, shared_generator=self.shared_gen)
+                                      generator=self.noise_gen, shared_generator=self.shared_gen, noise=dp.noise)
             apply_update(self.sharded, self.optimizer, res.grad)
             self._stats += torch.stack([self._stats.new_tensor(float(res.selected.numel())),
                                         res.nonfinite.to(self._stats.dtype)])

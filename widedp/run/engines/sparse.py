@@ -106,7 +106,7 @@ class SparseDPEngine(PrivateEngine):
             res = dp_step(grads, batch_size=b, sampling_rate=self.sampling_rate, clip1=dp.clip1, clip2=dp.clip2,
                           noise_multiplier=dp.noise_multiplier, selector=self.selector,
                           ctx=SelectionContext(epoch=epoch, num_epochs=self.cfg.train.epochs),
-                          generator=self.noise_gen, public_rows=drawn.public_rows)
+                          generator=self.noise_gen, public_rows=drawn.public_rows, noise=dp.noise)
             self.optimizer.step(res.grad)
             st = res.stats
             self._stats += torch.stack([st.touched_share.new_tensor(float(st.rows_selected)), st.touched_share,
