@@ -76,7 +76,7 @@ class AuditTask(CBOWTask):
                            negatives=cfg.data.negatives, generator=gen)
         splits, model = build_cbow(cfg, out, device=device, data=with_canaries(base, cs, self.coins))
         clip1 = cfg.dp.clip1 if cfg.dp is not None else None
-        scale = self.scale if self.scale is not None else 2.0 * (clip1 or 1.0)
+        scale = self.scale if self.scale is not None else 4.0 * (clip1 or 1.0)
         init_canary_rows(model, cs, scale=scale, generator=gen)
         own = cs.own_rows(model).to(device)
         batch, owner = cs.batch(device), torch.as_tensor(cs.owner, device=device)
@@ -147,7 +147,8 @@ def run_audit(cfg: Config, out: Path, *, canaries: int, per_step: bool = False, 
               progress: bool = False, plot: bool = True) -> dict[str, Any]:
     """Train ``cfg`` with ``canaries`` audit canaries into ``out``, score them, write ``out/audit.json`` (and
     ``audit.png``); returns the report. ``seed``: the public seed of the canaries, their init and tie-breaking;
-    ``coin_seed``: reproducible coins (tests; NOT secret); ``scale``: the canary rows' norm (default 2·S1)."""
+    ``coin_seed``: reproducible coins (tests; NOT secret); ``scale``: the canary output rows' norm (default 4·S1:
+    the canary's gradient, about scale/2, is clipped)."""
     from widedp.run import loop, rundir
 
     check_config(cfg, m=canaries, confidence=confidence, scale=scale)

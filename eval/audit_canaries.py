@@ -13,10 +13,13 @@ The canary unit, in the run's privacy unit:
 Negatives: ``data.negatives`` ids drawn from the clean unigram^0.75 law (as the pipeline draws them; canary words
 have count 0, so no clean sample ever draws a canary id), with a public generator.
 
-The canary rows are initialised (a public, data-independent choice, as any init) to ``scale`` times mutually
-orthogonal unit vectors: the input and output rows of a_i and b_i get four orthonormal directions, so at the init
-out[a]·in[b] = out[b]·in[a] = 0, σ(0) − 1 = −1/2 and the canary's gradient has norm about scale/2 · √(2 + K) per
-sample: with ``scale`` ≥ S1 it is clipped to S1, the most a unit may weigh — what makes it detectable.
+The canary rows are initialised (a public, data-independent choice, as any init) along mutually orthogonal unit
+vectors: the input and output rows of a_i and b_i get four orthonormal directions, so at the init out[a]·in[b] =
+out[b]·in[a] = 0 and σ(0) − 1 = −1/2. The output rows get norm A = ``scale``, the input rows B = ``IN_RATIO``·A
+(untied tables; tied, both get A). A sample (a | b) then has gradient −out[a]/2 on in[b] (norm A/2), −in[b]/2 on
+out[a] and +in[b]/2 on each of its K negatives' output rows (norm B/2 each): its own rows carry
+√((A² + B²)/(A² + (K + 1)B²)) of its norm (0.98 at K = 8), where equal norms would leave √(2/(K + 2)) (0.45) on
+rows the scorer can attribute to it. With A/2 ≥ S1 the unit is clipped to S1, the most a unit may weigh.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from torch import Tensor
 from widedp.data_prep.cbow import CBOWData, Split
 from widedp.errors import ConfigError
 from widedp.models.cbow import CBOW, CBOWBatch
+
+#: Input rows' norm relative to the output rows' (untied tables), see the module docstring.
+IN_RATIO = 0.1
 
 
 @dataclass(frozen=True)
@@ -114,14 +120,16 @@ def with_canaries(data: CBOWData, canaries: CanarySet, included: np.ndarray) -> 
 
 
 def init_canary_rows(model: CBOW, canaries: CanarySet, *, scale: float, generator: torch.Generator) -> None:
-    """Set each canary's rows to ``scale`` × orthonormal directions (module docstring), in place."""
+    """Set each canary's rows to orthonormal directions of norm ``scale`` (outputs) and ``IN_RATIO``·``scale``
+    (inputs, untied) (module docstring), in place."""
     d = model.dim
     n = 2 if model.tied else 4
     if d < n:
         raise ConfigError(f"model.dim: the audit's canaries need dim >= {n}, got {d}")
     g = torch.randn(canaries.m, d, n, generator=generator, dtype=torch.float64)
     q, _ = torch.linalg.qr(g)  # [m, D, n] orthonormal columns
-    dirs = (scale * q.transpose(1, 2)).to(model.input.weight.dtype)  # [m, n, D]
+    norms = torch.tensor([scale] * 2 if model.tied else [IN_RATIO * scale] * 2 + [scale] * 2, dtype=torch.float64)
+    dirs = (norms.view(1, n, 1) * q.transpose(1, 2)).to(model.input.weight.dtype)  # [m, n, D]
     ids = canaries.vocab_size + torch.arange(2 * canaries.m).view(canaries.m, 2)
     with torch.no_grad():
         w_in = model.input.weight

@@ -94,7 +94,8 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--per-step", action="store_true", help="also score every step's released noisy update (the "
                    "accountant's adversary; the headline bound then uses it)")
     a.add_argument("--confidence", type=float, default=0.95, help="one-sided confidence of the bound (default 0.95)")
-    a.add_argument("--canary-scale", type=float, help="norm of each canary row at init (default 2 * dp.clip1)")
+    a.add_argument("--canary-scale", type=float, help="norm of each canary output row at init (default 4 * dp.clip1; "
+                   "input rows: a tenth)")
     a.add_argument("--seed", type=int, default=0, help="public seed of the canaries, their init and tie-breaking")
     a.add_argument("--coin-seed", type=int, help="derive the coins from this seed (tests: NOT secret)")
     a.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
@@ -155,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "train":
         from widedp.config import load_config
         from widedp.run import ranks
-        from widedp.run.train import default_out, train
+        from widedp.run.train import default_out, train, train_rank
         from widedp.tasks import get_task
 
         if args.resume:
@@ -176,8 +177,8 @@ def _run(args: argparse.Namespace) -> int:
         if ranks.env_world() > 1:  # one rank of torchrun's (or --nproc's) processes
             ranks.init(cfg.train.device)
             try:
-                summary = ranks.train(cfg, run_dir, resume=bool(args.resume), progress=progress,
-                                      overwrite=args.overwrite)
+                summary = train_rank(cfg, run_dir, resume=bool(args.resume), progress=progress,
+                                     overwrite=args.overwrite)
             finally:
                 ranks.close()
             if not ranks.reports_errors():
