@@ -1,5 +1,2 @@
-"""widedp.data_prep: corpora -> cached CBOW id arrays."""
-
-from widedp.data_prep.cbow import CBOWData, Split, prepare_cbow
-
-__all__ = ["CBOWData", "Split", "prepare_cbow"]
+"""widedp.data_prep: corpora and interaction logs -> cached id arrays (``cbow``, ``interactions``, ``brown_glm``), with
+record-local splits (``splits``). Import the modules themselves: the package imports nothing."""

@@ -391,7 +391,9 @@ def compare(path: str | Path, out: Path, *, overrides: list[str] | tuple[str, ..
         sweep = finished_part(sweep, out)
     rows = summarize(sweep, out) if sweep.runs else []
     if sweep.runs:
-        plot_curves(sweep, out, out / "curves.png")
+        runs = {r.name: ([history_of(run_dir(out, r.name, s)) for s in r.seeds],
+                         [read_json(run_dir(out, r.name, s) / "summary.json") for s in r.seeds]) for r in sweep.runs}
+        plot_curves(sweep, runs, out / "curves.png")
     write_json(out / "results.json", {"sweep": str(sweep.path), "rows": rows})
     (out / "results.md").write_text(results_markdown(rows, f"Results of {sweep.path.name}"))
     if failed:

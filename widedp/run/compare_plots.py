@@ -10,8 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from widedp.run.checkpoint import read_json
-
 
 def privacy_label(summaries: list[dict[str, Any]], *, with_unit: bool = True) -> str:
     """``ε=2.51, δ=1e-05 per (target, context) pair`` (mean ε over seeds), or why the run is not private."""
@@ -44,20 +42,17 @@ def _same(values: list[Any]) -> Any:
     return values[0] if values and all(v == values[0] for v in values) else None
 
 
-def plot_curves(sweep: Any, out: Path, path: Path) -> None:
-    """Write ``path`` for ``sweep`` (a ``widedp.run.compare.Sweep``) from the run directories under ``out``."""
+def plot_curves(sweep: Any, runs: dict[str, tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]],
+                path: Path) -> None:
+    """Write ``path`` for ``sweep`` (a ``widedp.run.compare.Sweep``); ``runs``: each run's name -> (its seeds'
+    per-epoch histories, their summaries)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from widedp.run.compare import history_of, run_dir
-
-    by_name = {r.name: r for r in sweep.runs}
-
     def runs_of(name: str) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
-        dirs = [run_dir(out, name, s) for s in by_name[name].seeds]
-        return [history_of(d) for d in dirs], [read_json(d / "summary.json") for d in dirs]
+        return runs[name]
 
     groups = sweep.groups if sweep.groups is not None else tuple((n, (n,)) for n in sweep.panels)
     overlay = sweep.groups is not None

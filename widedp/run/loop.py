@@ -38,14 +38,6 @@ from widedp.run.plots import plot_losses
 from widedp.tasks.protocol import Task
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device: {name} requested but CUDA is not available")
-    return torch.device(name)
-
-
 @torch.inference_mode()
 def evaluate(model: Any, split: Any, *, batch_size: int, max_samples: int = 0) -> float:
     """Mean per-sample loss over a split (or its first ``max_samples`` samples)."""
@@ -94,7 +86,7 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
-    device = resolve_device(tc.device)
+    device = ranks.resolve_device(tc.device)
     task.check(cfg, private=cfg.dp is not None)
     out.mkdir(parents=True, exist_ok=True)
     if resume and data is None and (out / "canaries.json").exists():

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +36,15 @@ def reports_errors() -> bool:
     return env_world() <= 1 or os.environ.get("RANK", "0") == "0"
 
 
+def resolve_device(name: str) -> torch.device:
+    """``train.device``: ``auto`` (CUDA when available), ``cpu``, ``cuda[:N]`` (refused without CUDA)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device: {name} requested but CUDA is not available")
+    return torch.device(name)
+
+
 def world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -49,8 +56,6 @@ def rank() -> int:
 def init(device_name: str) -> None:
     """Join the process group of torchrun's environment: NCCL when ``train.device`` resolves to CUDA (one GPU
     per local rank), gloo otherwise."""
-    from widedp.run.loop import resolve_device
-
     device = resolve_device(device_name)
     if device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -86,21 +91,3 @@ def derive_seed(secret: int, label: str) -> int:
     different for each label (each rank's own generator, the generator all ranks share)."""
     digest = hashlib.sha256(f"widedp/{label}/{secret}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 2
-
-
-def train(cfg: Any, out: Path, *, resume: bool, progress: bool, overwrite: bool) -> dict[str, Any]:
-    """``widedp.run.train.train`` in one rank of a distributed run: rank 0 locks and prepares ``out``, then every
-    rank runs the loop. Returns the summary (rank 0's is the one written)."""
-    from widedp.run import loop, rundir
-    from widedp.tasks import AlgorithmTask, get_task
-
-    task = get_task(cfg.task)
-    if isinstance(task, AlgorithmTask):
-        raise ConfigError(f"task: {cfg.task} runs on one process (its own algorithms have no sharded version)")
-    if rank() == 0:
-        with rundir.locked(out):
-            rundir.prepare(out, resume=resume, overwrite=overwrite)
-            dist.barrier()  # the other ranks start once the directory is ready
-            return loop.run(cfg, task, out, resume=resume, progress=progress)
-    dist.barrier()
-    return loop.run(cfg, task, out, resume=resume, progress=False)

@@ -19,7 +19,7 @@ import yaml
 
 from widedp.config import Config, config_from_dict
 from widedp.errors import ConfigError
-from widedp.run import loop, rundir
+from widedp.run import loop, ranks, rundir
 from widedp.tasks import AlgorithmTask, get_task
 
 
@@ -37,6 +37,23 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
         if isinstance(task, AlgorithmTask):
             return task.train(cfg, out, resume=resume, progress=progress)
         return loop.run(cfg, task, out, resume=resume, progress=progress, data=data)
+
+
+def train_rank(cfg: Config, out: Path, *, resume: bool, progress: bool, overwrite: bool) -> dict[str, Any]:
+    """``train`` in one rank of a distributed run (``widedp.run.ranks``): rank 0 locks and prepares ``out``, then
+    every rank runs the loop. Returns the summary (rank 0's is the one written)."""
+    import torch.distributed as dist
+
+    task = get_task(cfg.task)
+    if isinstance(task, AlgorithmTask):
+        raise ConfigError(f"task: {cfg.task} runs on one process (its own algorithms have no sharded version)")
+    if ranks.rank() == 0:
+        with rundir.locked(out):
+            rundir.prepare(out, resume=resume, overwrite=overwrite)
+            dist.barrier()  # the other ranks start once the directory is ready
+            return loop.run(cfg, task, out, resume=resume, progress=progress)
+    dist.barrier()
+    return loop.run(cfg, task, out, resume=resume, progress=False)
 
 
 def load_run_config(run_dir: Path) -> Config:
