@@ -220,13 +220,36 @@ def test_config_secure_noise_plans_the_discrete_record_and_keeps_old_hashes():
 
 
 def test_privacy_engine_takes_the_noise_keyword():
+    """PrivacyEngine(noise="secure"): refused with the PLD accountant; with RDP its steps (tables and the dense
+    layer) run and record the discrete Gaussian, and its statement names the RDP accountant."""
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader
+
     from widedp.api.engine import PrivacyEngine
 
     sel = ExponentialSelectionConfig(k=3, epsilon=0.1, score_clip=0.1)
     with pytest.raises(ConfigError, match="dp.accountant: pld"):
         PrivacyEngine(selection=sel, clip1=1.0, noise_multiplier=1.0, noise="secure")
-    eng = PrivacyEngine(selection=sel, clip1=1.0, noise_multiplier=1.0, noise="secure", accountant="rdp")
-    assert eng._dp.noise == "secure"
+    eng = PrivacyEngine(selection=sel, clip1=1.0, clip2=1.0, noise_multiplier=1.0, noise="secure", accountant="rdp")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 20, (200, 1), generator=g)
+    data = list(zip(ids, (ids[:, 0] < 10).long()))
+    model = nn.Sequential(nn.EmbeddingBag(20, 4, mode="mean"), nn.Linear(4, 2))
+
+    def loss(b):
+        return F.cross_entropy(model(b[0]), b[1], reduction="none")
+
+    model, opt, loader = eng.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                          DataLoader(data, batch_size=20, collate_fn=lambda it: (
+                                              torch.stack([x for x, _ in it]), torch.stack([y for _, y in it]))),
+                                          epochs=1)
+    for step, batch in enumerate(loader):
+        eng.step(batch, loss)
+        if step == 2:
+            break
+    assert eng.steps == 3 and all(isinstance(s.parts[0], DiscreteGaussianSpend) for s, _ in eng.ledger.runs)
+    assert eng.statement().accountant == "RDP" and eng.epsilon() > 0
 
 
 # ------------------------------------------------------------------------------------------------- a whole run
