@@ -114,7 +114,8 @@ class StepRecords:
         s2 = noise_std ** 2
         llr = torch.stack(self.lsel) + torch.stack(self.dot) / s2 - torch.stack(self.mu2) / (2 * s2)  # [T, m]
         q = sampling_rate
-        per = torch.logaddexp(torch.full_like(llr, math.log1p(-q)), math.log(q) + llr)
+        stay = math.log1p(-q) if q < 1 else -math.inf  # q = 1: every unit is in every batch
+        per = torch.logaddexp(torch.full_like(llr, stay), math.log(q) + llr)
         return per.sum(0).numpy()
 
 
