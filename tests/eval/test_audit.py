@@ -192,3 +192,21 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, args, needle):
 def test_secret_coins_are_fair_bits():
     coins = audit_mod.draw_coins(4000)
     assert coins.dtype == bool and 0.45 < coins.mean() < 0.55
+
+
+def test_compare_shows_the_audit_column(tmp_path):
+    from widedp.run.compare import load_sweep, results_markdown, run_dir, summarize
+
+    (tmp_path / "base.yaml").write_text("data: {preset: paper}\ntrain: {epochs: 1}\n")
+    (tmp_path / "sweep.yaml").write_text("runs: [{name: a, config: base.yaml}, {name: b, config: base.yaml}]\n")
+    sweep, out = load_sweep(tmp_path / "sweep.yaml"), tmp_path / "out"
+    for name in ("a", "b"):
+        d = run_dir(out, name, 0)
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"train_loss": 1.0, "private": True, "steps": 1,
+                                                    "dp": {"epsilon": 8.0, "delta": 1e-5, "accountant": "pld"}}))
+    (run_dir(out, "a", 0) / audit_mod.AUDIT_FILE).write_text(json.dumps({"epsilon_lower": 2.731}))
+    a, b = summarize(sweep, out)
+    assert a["epsilon_lower"]["mean"] == 2.731 and b["epsilon_lower"]["mean"] is None
+    md = results_markdown([a, b], "t")
+    assert "ε lower (audit)" in md and "| 2.731 |" in md

@@ -304,6 +304,7 @@ def summarize(sweep: Sweep, out: Path) -> list[dict[str, Any]]:
         row["epsilon"] = _stats([d.get("epsilon") for d in dps]) if row["private"] else None
         row["epsilon_rdp"] = _stats([d.get("epsilon_rdp") for d in dps]) if row["private"] else None
         row[PAPER_KEY] = _stats([_paper_reference(d) for d in dps]) if row["private"] else None
+        row["epsilon_lower"] = _stats([_audit_lower(run_dir(out, name, s)) for s in run.seeds])
         priv = [s.get("privacy") if isinstance(s.get("privacy"), dict) else {} for s in sums]
         row["delta"] = dps[0].get("delta") if row["private"] else None
         row["unit"] = priv[0].get("unit")
@@ -311,6 +312,12 @@ def summarize(sweep: Sweep, out: Path) -> list[dict[str, Any]]:
         row["run_dirs"] = [str(run_dir(out, name, s)) for s in run.seeds]
         rows.append(row)
     return rows
+
+
+def _audit_lower(d: Path) -> float | None:
+    """``widedp audit``'s empirical lower bound when the run directory holds its audit.json (docs/audit.md)."""
+    p = d / "audit.json"
+    return read_json(p).get("epsilon_lower") if p.is_file() else None
 
 
 def _paper_reference(dp: dict[str, Any]) -> float | None:
@@ -336,14 +343,16 @@ def _fmt(st: dict[str, float | None] | None, digits: int = 4, pm: bool = True) -
 def results_markdown(rows: list[dict[str, Any]], title: str) -> str:
     rec = any((r.get("test_auc") or {}).get("mean") is not None for r in rows)  # recommenders: AUC, NE
     lines = [f"# {title}", "", "Final losses: mean ± std over seeds. ε: the run's accountant (summary dp.epsilon); "
-             "ε RDP: the RDP accountant. σ: the (calibrated) noise multiplier. Paper Thm 3: the paper's Theorem 3 "
+             "ε RDP: the RDP accountant. ε lower (audit): `widedp audit`'s empirical one-run lower bound, where a "
+             "run directory holds an audit.json. σ: the (calibrated) noise multiplier. Paper Thm 3: the paper's "
+             "Theorem 3 "
              "for the same steps, shown only to compare with the paper's reported ε: it is NOT a valid DP bound "
              "(it can under-report)." + (" NE: normalised entropy (BCE / entropy of the test positive rate)."
                                          if rec else ""), "",
              "| run | seeds | train loss | valid loss | test loss | test acc. | " + ("test AUC | test NE | " if rec
                                                                                  else "")
-             + "ε | ε RDP | paper Thm 3 (NOT a bound) | σ | steps | wall s | samples/s |",
-             "|---|---|---|---|---|---|" + ("---|---|" if rec else "") + "---|---|---|---|---|---|---|"]
+             + "ε | ε RDP | paper Thm 3 (NOT a bound) | ε lower (audit) | σ | steps | wall s | samples/s |",
+             "|---|---|---|---|---|---|" + ("---|---|" if rec else "") + "---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f" ({r['accountant']})" if r["private"] and r["accountant"] else ""
         lines.append(
@@ -351,7 +360,7 @@ def results_markdown(rows: list[dict[str, Any]], title: str) -> str:
             f"{_fmt(r['test_loss'])} | {_fmt(r['test_accuracy'], 3)} | "
             + (f"{_fmt(r.get('test_auc'), 4)} | {_fmt(r.get('test_ne'), 4)} | " if rec else "")
             + f"{_fmt(r['epsilon'], 3)}{acc if r['epsilon'] else ''} | "
-            f"{_fmt(r['epsilon_rdp'], 3)} | {_fmt(r.get(PAPER_KEY), 3)} | "
+            f"{_fmt(r['epsilon_rdp'], 3)} | {_fmt(r.get(PAPER_KEY), 3)} | {_fmt(r.get('epsilon_lower'), 3)} | "
             f"{_fmt(r['noise_multiplier'], 4, pm=False) if r['private'] else '–'} | "
             f"{_fmt(r['steps'], 0, pm=False)} | {_fmt(r['wall_s'], 1, pm=False)} | "
             f"{_fmt(r['samples_per_s'], 0, pm=False)} |")
