@@ -117,3 +117,17 @@ def logit_cap(r: int, beta: float) -> float:
     """logit(β^(1/r)): the δ = 0 bound of r correct guesses out of r, in closed form (for docs and checks)."""
     p = beta ** (1.0 / r)
     return math.log(p / (1 - p))
+
+
+def lower_bound(scores: np.ndarray, included: np.ndarray, *, delta: float, confidence: float = 0.95,
+                seed: int = 0) -> dict[str, float | int]:
+    """The audit's bound for any trainer (e.g. a ``make_private`` model): ``scores`` [m] (higher = more likely
+    included) of m canaries whose ``included`` [m] coins were fair and secret during training; the default guess
+    grid, its union bound, one-sided ``confidence``. Returns epsilon_lower, guesses, correct, epsilon_cap."""
+    m = len(scores)
+    grid = guess_grid(m)
+    beta = 1.0 - confidence
+    best, _ = audit(scores, included, beta=beta, delta=delta, grid=grid, generator=torch.Generator().manual_seed(seed))
+    cap = max(bound_cap(m=m, r=kp + km, beta=beta / len(grid), delta=delta) for kp, km in grid)
+    return {"epsilon_lower": best.epsilon_lower, "guesses": best.guesses, "correct": best.correct,
+            "epsilon_cap": cap}

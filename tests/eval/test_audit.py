@@ -210,3 +210,14 @@ def test_compare_shows_the_audit_column(tmp_path):
     assert a["epsilon_lower"]["mean"] == 2.731 and b["epsilon_lower"]["mean"] is None
     md = results_markdown([a, b], "t")
     assert "ε lower (audit)" in md and "| 2.731 |" in md
+
+
+def test_lower_bound_for_any_trainer():
+    """The Python entry point a make_private user calls with their own canaries' scores and coins."""
+    gen = torch.Generator().manual_seed(5)
+    coins = (torch.rand(1000, generator=gen) < 0.5).numpy()
+    scores = torch.randn(1000, generator=gen).numpy() + 3.0 * coins  # a strong attack
+    res = ab.lower_bound(scores, coins, delta=1e-5)
+    assert 1.0 < res["epsilon_lower"] <= res["epsilon_cap"] and res["correct"] <= res["guesses"]
+    null = ab.lower_bound(torch.randn(1000, generator=gen).numpy(), coins, delta=1e-5)  # no signal
+    assert null["epsilon_lower"] < 0.5
