@@ -133,7 +133,7 @@ def test_a_backward_of_the_other_reduction_is_refused(declared, ran, refused):
             opt.step()
         assert "\n" not in str(e.value) and eng.steps == eng.ledger.steps == 0
         return
-    assert eng.steps == eng.total_steps == 4 and eng._reduction_checked
+    assert eng.steps == eng.total_steps == 4 and eng._checks.replay_done
 
 
 class FunctionalDropout(nn.Module):
@@ -175,7 +175,7 @@ def test_no_false_alarm_on_per_sample_models(case):
     eng, _, loader = private(model)
     for batch in loader:
         eng.step(batch, bce(model))
-    assert eng.steps == 4 and eng._checked
+    assert eng.steps == 4 and eng._checks.coupling_done
 
 
 @pytest.mark.parametrize("kind", ["ebc", "ec", "weighted-kjt"])
@@ -191,19 +191,47 @@ def test_no_false_alarm_on_torchrec(kind):
     for kjt, labels in loader:
         bce_loss(model)((kjt, labels)).sum().backward()
         opt.step()
-    assert eng.steps == 4 and eng._checked and eng._reduction_checked
+    assert eng.steps == 4 and eng._checks.coupling_done and eng._checks.replay_done
 
 
-def test_a_random_collate_fn_is_a_warning_not_a_refusal():
+def test_a_random_collate_fn_is_refused_unless_the_caller_opts_out():
+    """Randomness other than dropout (here in collate_fn) makes sub-batches incomparable: refused; with
+    check_independence=False the run goes on and its statement says the check was skipped."""
     def noisy(items):
         ids, x, y = collate(items)
         return ids, x + torch.randn_like(x), y
 
     model = Model()
     eng, _, loader = private(model, collate_fn=noisy)
-    with pytest.warns(UserWarning, match="could not check that samples do not interact"):
+    with pytest.raises(UnsupportedModelError, match="change with the random seed even with dropout off"):
         eng.step(next(iter(loader)), bce(model))
-    assert eng.steps == 1
+    model = Model()
+    eng, _, loader = private(model, collate_fn=noisy, check_independence=False)
+    for batch in loader:
+        eng.step(batch, bce(model))
+    assert eng.steps == 4 and "samples' independence not checked" in " ".join(eng.statement().not_covered)
+
+
+def test_per_item_randomness_in_getitem_is_frozen_for_the_check():
+    """Augmentation drawn in __getitem__ is per sample: the check fetches each item once, so it is no alarm."""
+    class Augmented(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.items = data(40)
+
+        def __len__(self) -> int:
+            return len(self.items)
+
+        def __getitem__(self, i):
+            ids, x, y = self.items[i]
+            return ids, x + torch.randn_like(x), y
+
+    model = Model()
+    eng = PrivacyEngine(selection=SEL, clip1=1.0, clip2=None, noise_multiplier=1.0)
+    _, _, loader = eng.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    DataLoader(Augmented(), batch_size=10, collate_fn=collate), epochs=1)
+    for batch in loader:
+        eng.step(batch, bce(model))
+    assert eng.steps == 4
 
 
 # ------------------------------------------------------------------------------------------------------- buffers
@@ -259,3 +287,174 @@ def test_fixed_buffers_and_eval_mode_statistics_pass():
     assert eng.steps == 4 and not torch.equal(before, model.extra[1].running_mean)
     model.eval()
     model(*collate(data(3))[:2])  # evaluation writes nothing either; and is not recorded
+
+
+# ------------------------------------------------------------------------------- cases an outside audit found
+
+
+class TrainOnlyStandardise(Model):
+    """Standardises over the batch only in training mode, with functional dropout beside it."""
+
+    def forward(self, ids: Tensor, x: Tensor) -> Tensor:
+        if self.training:
+            x = (x - x.mean(0)) / (x.std(0) + 1e-3)
+        return self.head(F.dropout(torch.cat([self.bag(ids), x], 1), 0.1, self.training)).squeeze(1)
+
+
+class RunningAttr(nn.Module):
+    """A running mean kept as a plain attribute (not a buffer), updated in training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu = torch.zeros(6)
+
+    def forward(self, h: Tensor) -> Tensor:
+        if self.training:
+            self.mu = 0.9 * self.mu + 0.1 * h.detach().mean(0)
+        return h - self.mu
+
+
+class DataBuffer(nn.Module):
+    """A buffer written through ``.data`` (its version counter does not move)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mu", torch.zeros(6))
+
+    def forward(self, h: Tensor) -> Tensor:
+        if self.training:
+            self.mu.data = 0.9 * self.mu + 0.1 * h.detach().mean(0)
+        return h - self.mu
+
+
+class OneFeatureStandardised(Model):
+    """Feature 0 standardised over the batch, feature 1 raw (one item's is huge: its norm dwarfs the others')."""
+
+    def forward(self, ids: Tensor, x: Tensor) -> Tensor:
+        x = torch.cat([(x[:, :1] - x[:, :1].mean()) / (x[:, :1].std() + 1e-3), x[:, 1:]], 1)
+        return self.head(torch.cat([self.bag(ids), x], 1)).squeeze(1)
+
+
+class NoEpsStandardised(Model):
+    """Standardised without an eps: a sub-batch whose feature is constant is all NaN."""
+
+    def forward(self, ids: Tensor, x: Tensor) -> Tensor:
+        return self.head(torch.cat([self.bag(ids), (x - x.mean(0)) / x.std(0)], 1)).squeeze(1)
+
+
+def huge_one(items):
+    ids, x, y = collate(items)
+    x = x.clone()
+    x[-1, 1] = -1000.0
+    return ids, x, y
+
+
+def sorted_binary(n=40):
+    """Items whose dense feature is 0 for the first half of every 8, 1 for the rest (a dataset sorted by it)."""
+    return [(ids, torch.full((2,), float(i % 8 >= 4)), y) for i, (ids, _, y) in enumerate(data(n))]
+
+
+@pytest.mark.parametrize(("make", "collate_fn", "items", "message"), [
+    (TrainOnlyStandardise, collate, None, "head: a sample's input"),
+    (lambda: Model(extra=RunningAttr()), collate, None, "two identical passes"),
+    (lambda: Model(extra=DataBuffer()), collate, None, "two identical passes"),
+    (OneFeatureStandardised, huge_one, None, "head: a sample's input"),
+    (NoEpsStandardised, collate, sorted_binary(), "samples|sub-batch"),
+], ids=["train-only-statistic", "running-attribute", "buffer-via-data", "one-huge-sample", "nan-sub-batches"])
+def test_audited_couplings_are_refused(make, collate_fn, items, message):
+    torch.manual_seed(0)
+    model = make()
+    eng = PrivacyEngine(selection=SEL, clip1=1.0, clip2=None, noise_multiplier=1.0)
+    _, _, loader = eng.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    DataLoader(items or data(40), batch_size=10, collate_fn=collate_fn), epochs=1)
+    with pytest.raises(UnsupportedModelError, match=message):
+        eng.step(next(iter(loader)), bce(model))
+    assert eng.steps == eng.ledger.steps == 0
+
+
+class Tokens(nn.Module):
+    """Token ids padded to the batch's longest item (0 = padding), mean-pooled with or without a mask."""
+
+    def __init__(self, masked: bool) -> None:
+        super().__init__()
+        self.emb, self.head, self.masked = nn.Embedding(11, 4, padding_idx=0), nn.Linear(4, 1), masked
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.emb(ids)
+        if self.masked:
+            mask = (ids != 0).unsqueeze(2).to(h.dtype)
+            return self.head((h * mask).sum(1) / mask.sum(1).clamp_min(1)).squeeze(1)
+        return self.head(h.mean(1)).squeeze(1)
+
+
+def pad_to_longest(items):
+    ids = nn.utils.rnn.pad_sequence([t for t, _ in items], batch_first=True)
+    return ids, torch.stack([y for _, y in items])
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_padding_to_the_longest_item_is_coupling_unless_masked(masked):
+    g = torch.Generator().manual_seed(0)
+    items = [(torch.randint(1, 11, (int(n),), generator=g), torch.tensor(float(i % 2)))
+             for i, n in enumerate(torch.randint(1, 9, (40,), generator=g))]
+    items[0] = (torch.randint(1, 11, (12,), generator=g), items[0][1])  # the longest, in the first half
+    model = Tokens(masked)
+    eng = PrivacyEngine(selection=SEL, clip1=1.0, clip2=None, noise_multiplier=1.0)
+    _, _, loader = eng.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    DataLoader(items, batch_size=10, collate_fn=pad_to_longest), epochs=1)
+
+    def loss(b):
+        return F.binary_cross_entropy_with_logits(model(b[0]), b[1], reduction="none")
+
+    if masked:
+        for batch in loader:
+            eng.step(batch, loss)
+        assert eng.steps == 4
+    else:
+        with pytest.raises(UnsupportedModelError, match="changes with the other samples"):
+            eng.step(next(iter(loader)), loss)
+
+
+def test_a_batch_changed_between_the_loader_and_the_step_is_refused():
+    def prep(b):
+        ids, x, y = b
+        return ids, (x - x.mean(0)) / (x.std(0) + 1e-3), y
+
+    model = Model()
+    eng, _, loader = private(model)
+    with pytest.raises(UnsupportedModelError, match="engine.step: the step's per-sample gradients are not loss_fn's"):
+        eng.step(prep(next(iter(loader))), bce(model))
+    model = Model()
+    eng, opt, loader = private(model, loss_fn=bce(model))
+    bce(model)(prep(next(iter(loader)))).sum().backward()
+    with pytest.raises(UnsupportedModelError, match=r"optimizer.step\(\): the step's per-sample gradients"):
+        opt.step()
+    assert eng.steps == eng.ledger.steps == 0
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_a_consistent_reduction_with_heavy_dropout_and_a_saturated_head_passes(reduction):
+    """The reference replays the step's own dropout masks: no ratio heuristic, no false alarm."""
+    for seed in range(6):
+        torch.manual_seed(seed)
+        model = Model(extra=nn.Dropout(0.5))
+        with torch.no_grad():
+            model.head.weight.mul_(30)
+        eng, opt, loader = private(model, batch_size=4, loss_fn=bce(model), loss_reduction=reduction)
+        batch = next(iter(loader))
+        loss = bce(model)(batch)
+        (loss.mean() if reduction == "mean" else loss.sum()).backward()
+        opt.step()
+        assert eng.steps == 1 and eng._checks.replay_done
+
+
+def test_bfloat16_tables_pass_on_the_optimizer_step_loop():
+    torch.manual_seed(0)
+    model = Model()
+    model.bag.to(torch.bfloat16)
+    model.forward = lambda ids, x: model.head(torch.cat([model.bag(ids).float(), x], 1)).squeeze(1)
+    eng, opt, loader = private(model, loss_fn=bce(model))
+    for batch in loader:
+        bce(model)(batch).sum().backward()
+        opt.step()
+    assert eng.steps == 4

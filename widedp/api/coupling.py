@@ -1,35 +1,42 @@
-"""First-batch checks for what one backward cannot see: samples coupled by a batch statistic, and a mean-reduced loss.
+"""First-batch checks for what one backward cannot see: samples coupled by a batch statistic, state that learns
+across calls, and a step whose gradients are not ``loss_fn``'s on the loader's batch (another batch, a mean-reduced
+backward).
 
 ``per_sample.check_independent`` catches samples that interact through the graph (a sample's loss with a gradient
 path to another sample's outputs). A batch statistic that sends no gradient between samples escapes it: a dense input
 standardised over the batch (``x = (x - x.mean(0)) / x.std(0)`` in ``forward``, or in ``collate_fn``), a loss divided
-by a detached batch mean. A sample's gradient then depends on which other samples share its batch, so adding one
-sample moves the others' clipped gradients and the step's sensitivity (S1) does not hold. ``check_batch_coupling``
-recomputes the samples' gradients in sub-batches (two halves of the batch, each of >= 2 samples so that a std is
-defined) and compares them with the whole batch's::
+by a detached batch mean, padding to the batch's longest sequence without a mask. A sample's gradient then depends on
+which other samples share its batch, so adding one sample moves the others' clipped gradients and the step's
+sensitivity (S1) does not hold. ``check_batch_coupling`` fetches m <= 16 items once (randomness in ``__getitem__`` is
+frozen), collates sub-batches of them and compares each sample's gradient there with the whole m's::
 
-    items        [i0 i1 i2 i3 i4 i5]     one pass:   g_j in the batch of 6
-    sub-batches  [i0 i1 i2] [i3 i4 i5]   two passes: g_j in a batch of 3   -> equal, or the samples are coupled
+    items        [i0 i1 i2 i3 i4 i5 i6 i7]          one pass: g_j among all m
+    halves       [i0 i1 i2 i3] [i4 i5 i6 i7]        two passes     } each sample's gradient must equal its g_j
+    pairs        [i0 i1] [i2 i3] [i4 i5] [i6 i7]    m/2 passes     } (relative to its own norm; NaN only where NaN)
 
-Mode: dropout modules are put in eval mode for the check (their masks differ between passes). When the gradients are
-still random (functional dropout in a container's forward, say), every module the engine does not hook is put in
-eval mode; when even that is random (random ops in ``collate_fn``), the check cannot run: one warning, no refusal.
-Recorded calls, gradients, modes and the global RNG are restored afterwards. What no computation here can see: a
-preprocessing of the whole dataset before the loader (statistics over all items), and coupling that appears only on
-some batches.
+Every pass runs in training mode with dropout off (dropout modules in eval mode, ``F.dropout`` and its variants the
+identity) from the same torch seed. Before comparing, the first sub-batch runs twice at one seed — a difference means
+state that changes between calls (a running statistic kept as a buffer or an attribute): refused — and once at
+another seed — a difference means randomness other than dropout (in ``collate_fn`` or ``forward``), under which
+sub-batches cannot be compared: refused, unless the caller opts out. Recorded calls, gradients, modes and the torch,
+numpy and Python random states are restored afterwards. What no computation here sees: statistics over the whole
+dataset computed before the loader, and coupling that appears only on some batches.
 
-``check_loss_reduction`` compares the per-sample gradients the user's own backward recorded (the hook path) with the
-check's: about 1/B of them when the backward ran on ``loss.mean()`` while ``loss_reduction`` says ``sum``.
+``check_replay`` compares the per-sample gradients the step is about to use with ``loss_fn``'s on the loader's own
+batch, replayed from the random state the step started from: equal, or ~1/B of them (the backward ran on
+``loss.mean()`` while ``loss_reduction`` says ``sum``), or the step's batch or loss is not what was checked.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+import random
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from widedp.api.capture import Capture, Record, UnsupportedModelError
@@ -38,100 +45,119 @@ from widedp.dp.rowgrads import PerSampleRows
 from widedp.errors import ConfigError
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-_SAME = 1e-6  # relative difference of two passes on the same sub-batch that still counts as deterministic
+_F_DROPOUT = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+MAX_ITEMS = 16  # items the coupling check compares (sub-batch passes grow with them)
+OPT_OUT = "make_private(..., check_independence=False) skips these checks, and the statement then says so"
+#: the statement's entry when the caller skipped the checks
+UNCHECKED = ("samples' independence not checked (make_private(check_independence=False)): a batch statistic in the "
+             "model, loss or collate_fn would void ε")
+Pass = tuple[Tensor, PerSampleRows, list[Record]]
 
 
 def check_batch_coupling(capture: Capture, layout: Layout, loss_fn: Callable[[Any], Tensor],
-                         batch_of: Callable[[list[int]], Any], items: Sequence[int]) -> PerSampleRows | None:
-    """Refuse a model whose samples' gradients change with the other samples of their batch.
+                         batch_of: Callable[[list[int]], Any], m: int, *, seed: int = 0) -> None:
+    """Refuse a model whose samples' gradients change with the other samples of their batch (module docstring).
 
     Args:
-        loss_fn: batch -> [B] per-sample losses. batch_of: item indices -> the batch the loader would yield for them.
-        items: the dataset indices to check on (>= 3; fewer: nothing to compare, returns None).
-
-    Returns the per-sample gradients of ``batch_of(items)`` in the check's mode (the reference for
-    ``check_loss_reduction``), or None when the check could not run.
+        loss_fn: batch -> [B] per-sample losses. batch_of: positions in [0, m) -> the batch of those items, as the
+            loader collates it. m: the number of items (< 3: nothing to compare, the check is skipped).
     """
-    items = list(items)
-    if len(items) < 3:
-        return None
-    h = max(2, len(items) // 2)
-    parts = [(0, items[:h])] + ([(h, items[h:])] if len(items) - h >= 2 else [])
-    with _preserved(capture, layout):
-        for all_eval in (False, True):
-            with _modes(capture, all_eval=all_eval):
-                sub = _pass(capture, layout, loss_fn, batch_of(parts[0][1]))
-                again = _pass(capture, layout, loss_fn, batch_of(parts[0][1]))[1]
-                if _max_diff(sub[1], 0, again, 0, h) <= _SAME * _scale(sub[1]) + 1e-12:
-                    full = _pass(capture, layout, loss_fn, batch_of(items))
-                    subs = [sub] + [_pass(capture, layout, loss_fn, batch_of(p)) for _, p in parts[1:]]
-                    for (first, part), got in zip(parts, subs):
-                        _compare(capture, full, got, first, len(part), dtype=layout.dtype)
-                    return full[1]
-    warnings.warn("make_private: could not check that samples do not interact: their gradients are random even "
-                  "with dropout off (random ops in collate_fn or forward?); the check was skipped", stacklevel=3)
-    return None
+    if m < 3:
+        return
+    h = m // 2
+    parts = [list(range(h)), list(range(h, m))] + [[i, i + 1] for i in range(0, m - 1, 2)]
+    if m % 2:
+        parts.append([m - 2, m - 1])
+    with _preserved(capture, layout), _check_mode(capture):
+        def run(pos: list[int], s: int = seed) -> Pass:  # the seed covers collate_fn's randomness too
+            torch.manual_seed(s)
+            with torch.enable_grad():
+                return grads_of(capture, layout, loss_fn, batch_of(pos))
+
+        first = run(parts[0])
+        if _differs(first[1], list(range(len(parts[0]))), run(parts[0])[1], dtype=layout.dtype):
+            raise UnsupportedModelError("two identical passes on the first batch gave different gradients: the model "
+                                        "or loss_fn changes state between calls in training mode (a running statistic "
+                                        "kept in a buffer or attribute learns from the data outside DP); keep such "
+                                        f"state fixed ({OPT_OUT})")
+        if _differs(first[1], list(range(len(parts[0]))), run(parts[0], seed + 1)[1], dtype=layout.dtype):
+            raise UnsupportedModelError("the first batch's gradients change with the random seed even with dropout "
+                                        "off (random ops in collate_fn or forward), so widedp cannot check that "
+                                        "samples do not interact; draw per-item randomness in the dataset's "
+                                        "__getitem__ (fetched once for the check) or make it deterministic "
+                                        f"({OPT_OUT})")
+        full = run(list(range(m)))
+        for part in parts:
+            _compare(capture, full, first if part is parts[0] else run(part), part, dtype=layout.dtype)
 
 
-def check_loss_reduction(recorded: PerSampleRows, reference: PerSampleRows, *, reduction: str) -> None:
-    """Refuse a hook-path step whose recorded per-sample gradients (already scaled for ``reduction``) are off by a
-    factor ~B from the check's ``reference`` of the same batch: the backward ran on the other reduction. Needs
-    B >= 4 (dropout in the user's pass moves the ratio by less than sqrt(B))."""
+def check_replay(actual: PerSampleRows, reference: PerSampleRows, *, what: str, reduction: str | None) -> None:
+    """Refuse a step whose per-sample gradients ``actual`` (already scaled for ``reduction``) are not ``reference``,
+    ``loss_fn``'s on the loader's batch replayed from the same random state; ``reduction`` (the hook path) names a
+    factor ~B off as the wrong reduction."""
     b = reference.batch_size
-    if b < 4 or recorded.batch_size != b:
+    same = actual.batch_size == b and not _differs(reference, list(range(b)), actual, dtype=actual.values.dtype)
+    if same:
         return
-    mine, ref = _norms(recorded), _norms(reference)
-    ok = (ref > 0) & torch.isfinite(ref) & torch.isfinite(mine)
-    if not bool(ok.any()):
+    if reduction is not None and actual.batch_size == b and b >= 2:
+        mine, ref = _norms(actual), _norms(reference)
+        ok = (ref > 0) & torch.isfinite(ref) & torch.isfinite(mine)
+        ratio = float((mine[ok] / ref[ok]).median()) if bool(ok.any()) else 1.0
+        if abs(ratio * b - 1) < 1e-3 or abs(ratio / b - 1) < 1e-3:
+            ran, other = ("loss.mean()", "mean") if ratio < 1 else ("loss.sum()", "sum")
+            raise ConfigError(f"optimizer.step(): the recorded per-sample gradients are 1/{b}x or {b}x what "
+                              f"loss_reduction={reduction!r} implies: the backward ran on {ran}; pass "
+                              f"make_private(..., loss_reduction={other!r}) or back-propagate the {reduction} (this "
+                              "step is not taken)")
+    raise UnsupportedModelError(f"{what}: the step's per-sample gradients are not loss_fn's on the batch the loader "
+                                "yielded (replayed from the same random state): the batch was changed between the "
+                                "loader and the forward (e.g. standardised), the loss differs from loss_fn, or random "
+                                f"numbers were drawn in between; pass the batch and loss as they are ({OPT_OUT})")
+
+
+def replayed_rows(capture: Capture, layout: Layout, loss_fn: Callable[[Any], Tensor], batch: Any,
+                  rng: dict[str, Any]) -> PerSampleRows:
+    """``loss_fn``'s per-sample gradients on ``batch`` in the model's own modes, from the random state ``rng``
+    (``random_state``); recorded calls, gradients and the current random state left as they were."""
+    with _preserved(capture, layout):
+        _set_random_state(rng)
+        with torch.enable_grad():
+            return grads_of(capture, layout, loss_fn, batch)[1]
+
+
+def random_state(device: torch.device) -> dict[str, Any]:
+    """torch's CPU (and ``device``'s CUDA) random state, to replay a step's dropout."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = (device, torch.cuda.get_rng_state(device))
+    return state
+
+
+def _set_random_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"][1], state["cuda"][0])
+
+
+def _compare(capture: Capture, full: Pass, sub: Pass, part: list[int], *, dtype: torch.dtype) -> None:
+    """The samples at positions ``part`` of ``full`` against the samples of ``sub`` (in that order)."""
+    if not _differs(full[1], part, sub[1], dtype=dtype):
         return
-    ratio = float((mine[ok] / ref[ok]).median())
-    if ratio < b ** -0.5:
-        ran, other = "loss.mean()", "'mean'"
-    elif ratio > b ** 0.5:
-        ran, other = "loss.sum()", "'sum'"
-    else:
-        return
-    raise ConfigError(f"optimizer.step(): the recorded per-sample gradients are {ratio:.3g}x what "
-                      f"loss_reduction={reduction!r} implies (B={b}): the backward ran on {ran}; pass "
-                      f"make_private(..., loss_reduction={other}) or back-propagate the other reduction "
-                      "(nothing was spent)")
-
-
-def reference_rows(capture: Capture, layout: Layout, loss_fn: Callable[[Any], Tensor], batch: Any) -> PerSampleRows:
-    """The per-sample gradients of ``batch`` with dropout off, the recorded calls and gradients left as they were."""
-    with _preserved(capture, layout), _modes(capture, all_eval=False):
-        return _pass(capture, layout, loss_fn, batch)[1]
-
-
-def _pass(capture: Capture, layout: Layout, loss_fn: Callable[[Any], Tensor],
-          batch: Any) -> tuple[Tensor, PerSampleRows, list[Record]]:
-    with torch.enable_grad():
-        return grads_of(capture, layout, loss_fn, batch)
-
-
-def _compare(capture: Capture, full: tuple[Tensor, PerSampleRows, list[Record]],
-             sub: tuple[Tensor, PerSampleRows, list[Record]], first: int, count: int, *, dtype: torch.dtype) -> None:
-    """Samples [first, first + count) of ``full`` against samples [0, count) of ``sub``."""
-    scale = _scale(full[1])
-    err = _max_diff(full[1], first, sub[1], 0, count)
-    if err <= max(1e-3, 8 * torch.finfo(dtype).eps) * scale + 1e-7:
-        return
-    rel = err / scale if scale else float("inf")
-    layer = _coupled_input(capture, full[2], sub[2], first, count)
+    layer = _coupled_input(capture, full[2], sub[2], part)
+    what = f"in sub-batches of {len(part)}"
     if layer is not None:
         raise UnsupportedModelError(f"{layer}: a sample's input to this layer changes with the other samples in its "
-                                    f"batch (gradients differ by {rel:.2g} of the largest in a sub-batch): a batch "
-                                    "statistic (e.g. x.mean() / x.std() over the batch, in forward or collate_fn) "
-                                    "couples the samples, so the step's sensitivity and ε would be wrong; compute "
-                                    "it per sample or from public data")
+                                    f"batch ({what}): a batch statistic (e.g. x.mean() / x.std() over the batch, or "
+                                    "padding to the batch's longest item without a mask, in forward or collate_fn) "
+                                    "couples the samples, so the step's sensitivity and ε would be wrong; compute it "
+                                    "per sample or from public data")
     raise UnsupportedModelError(f"a sample's gradient changes with the other samples in its batch though no gradient "
-                                f"flows between them (by {rel:.2g} of the largest in a sub-batch): a batch statistic "
-                                "in the loss or after the last hooked layer (e.g. a loss divided by a detached batch "
-                                "mean) couples the samples, so the step's sensitivity and ε would be wrong; compute "
-                                "it per sample or from public data")
+                                f"flows between them ({what}): a batch statistic in the loss or after the last hooked "
+                                "layer (e.g. a loss divided by a detached batch mean) couples the samples, so the "
+                                "step's sensitivity and ε would be wrong; compute it per sample or from public data")
 
 
-def _coupled_input(capture: Capture, full: list[Record], sub: list[Record], first: int, count: int) -> str | None:
+def _coupled_input(capture: Capture, full: list[Record], sub: list[Record], part: list[int]) -> str | None:
     """The first dense layer whose batch-first input for the compared samples differs between the two passes."""
     if len(full) != len(sub):
         return None
@@ -140,37 +166,41 @@ def _coupled_input(capture: Capture, full: list[Record], sub: list[Record], firs
             continue
         a, b = rf.args[0], rs.args[0]
         if not (isinstance(a, Tensor) and isinstance(b, Tensor) and a.dim() and a.shape[0] == rf.batch
-                and b.shape[0] == count and a.shape[1:] == b.shape[1:]) or not a.is_floating_point():
+                and b.shape[0] == len(part)) or not a.is_floating_point():
             continue
-        a = a[first : first + count]
-        if not torch.allclose(a, b, rtol=1e-4, atol=1e-6 * (float(a.abs().max()) if a.numel() else 0.0) + 1e-7):
+        a = a[part]
+        if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4, atol=1e-7, equal_nan=True):
             return capture.label(rf)
     return None
 
 
-def _entries(g: PerSampleRows, first: int, count: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(sample - first, row, value) of samples [first, first + count)."""
-    lo, hi = int(g.offsets[first]), int(g.offsets[first + count])
-    return g.sample_ids()[lo:hi] - first, g.rows[lo:hi], g.values[lo:hi]
+def _differs(a: PerSampleRows, part: list[int], b: PerSampleRows, *, dtype: torch.dtype) -> bool:
+    """Do the samples at positions ``part`` of ``a`` differ from samples 0.. of ``b``: by more than a relative
+    max(1e-3, 8 eps(dtype)) of their own norm, or in which of them are finite?"""
+    count = len(part)
+    where = torch.full((a.batch_size,), -1, dtype=torch.long, device=a.rows.device)
+    where[torch.tensor(part, dtype=torch.long, device=a.rows.device)] = torch.arange(count, device=a.rows.device)
+    sa = where[a.sample_ids()]
+    keep = sa >= 0
+    sa, ra, va = sa[keep], a.rows[keep], a.values[keep]
+    sb, rb, vb = b.sample_ids(), b.rows, b.values.to(va.dtype)
+    bad_a = va.new_zeros(count).index_add_(0, sa, (~va.isfinite().all(1)).to(va.dtype)) > 0
+    bad_b = va.new_zeros(count).index_add_(0, sb, (~vb.isfinite().all(1)).to(va.dtype)) > 0
+    if not torch.equal(bad_a, bad_b):
+        return True
+    width = max(a.num_rows, b.num_rows)
+    uniq, inv = torch.unique(torch.cat([sa, sb]) * width + torch.cat([ra, rb]), return_inverse=True)
+    diff = va.new_zeros(uniq.numel(), va.shape[1]).index_add_(0, inv, torch.cat([va, -vb]))
+    sample = torch.div(uniq, width, rounding_mode="floor")
+    err = va.new_zeros(count).index_add_(0, sample, diff.nan_to_num(0.0, 0.0, 0.0).square().sum(1)).sqrt()
+    own = torch.maximum(_norms_of(sa, va, count), _norms_of(sb, vb, count))
+    rtol = max(1e-3, 8 * torch.finfo(dtype).eps)
+    return bool((err > rtol * own + 1e-12 * float(own.max() if own.numel() else 0.0) + 1e-30)[~bad_a].any())
 
 
-def _max_diff(a: PerSampleRows, fa: int, b: PerSampleRows, fb: int, count: int) -> float:
-    """max_j ||a's sample fa + j - b's sample fb + j|| over j < count (sparse rows, never dense)."""
-    sa, ra, va = _entries(a, fa, count)
-    sb, rb, vb = _entries(b, fb, count)
-    key = torch.cat([sa, sb]) * max(a.num_rows, b.num_rows) + torch.cat([ra, rb])
-    uniq, inv = torch.unique(key, return_inverse=True)
-    diff = va.new_zeros(uniq.numel(), va.shape[1]).index_add_(0, inv, torch.cat([va, -vb.to(va.dtype)]))
-    if not diff.numel():
-        return 0.0
-    sample = torch.div(uniq, max(a.num_rows, b.num_rows), rounding_mode="floor")
-    per = va.new_zeros(count).index_add_(0, sample, diff.nan_to_num(0.0, 0.0, 0.0).square().sum(1))
-    return float(per.sqrt().max())
-
-
-def _scale(g: PerSampleRows) -> float:
-    """The largest finite per-sample norm of ``g`` (0 for an empty batch)."""
-    return float(_norms(g).nan_to_num(0.0, 0.0, 0.0).max()) if g.batch_size else 0.0
+def _norms_of(sample: Tensor, values: Tensor, count: int) -> Tensor:
+    sq = values.nan_to_num(0.0, 0.0, 0.0).square().sum(1)
+    return values.new_zeros(count).index_add_(0, sample, sq).sqrt()
 
 
 def _norms(g: PerSampleRows) -> Tensor:
@@ -180,14 +210,17 @@ def _norms(g: PerSampleRows) -> Tensor:
 
 @contextmanager
 def _preserved(capture: Capture, layout: Layout) -> Iterator[None]:
-    """Run the check without disturbing the step it precedes: recorded calls, gradients and the global RNG."""
+    """Run a check without disturbing the step it precedes: recorded calls, gradients, the random states."""
     records, grads = list(capture.records), [(p, p.grad) for _, p in layout.dense]
-    devices = sorted({p.device.index for _, p in layout.dense if p.is_cuda} |
-                     {t.weight.device.index for t in layout.tables if t.weight.is_cuda})
+    devices = sorted({p.device.index or 0 for _, p in layout.dense if p.is_cuda} |
+                     {t.weight.device.index or 0 for t in layout.tables if t.weight.is_cuda})
+    py, npy = random.getstate(), np.random.get_state()  # noqa: NPY002 (the user's global state)
     try:
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
+        random.setstate(py)
+        np.random.set_state(npy)  # noqa: NPY002
         capture.clear()
         capture.records.extend(records)
         for p, g in grads:
@@ -195,15 +228,71 @@ def _preserved(capture: Capture, layout: Layout) -> Iterator[None]:
 
 
 @contextmanager
-def _modes(capture: Capture, *, all_eval: bool) -> Iterator[None]:
-    """Dropout off (``all_eval``: every module the engine does not hook in eval mode); modes restored after."""
+def _check_mode(capture: Capture) -> Iterator[None]:
+    """Training mode with dropout off: dropout modules in eval mode, ``F.dropout`` and its variants the identity."""
     saved = [(m, m.training) for m in capture.model.modules()]
-    hooked = capture.hooked_modules()
+    functions = {name: getattr(F, name) for name in _F_DROPOUT}
     try:
         for m in capture.model.modules():
-            if isinstance(m, _DROPOUT) or (all_eval and id(m) not in hooked):
+            if isinstance(m, _DROPOUT):
                 m.training = False
+        for name in _F_DROPOUT:
+            setattr(F, name, _identity)
         yield
     finally:
+        for name, f in functions.items():
+            setattr(F, name, f)
         for m, mode in saved:
             m.training = mode
+
+
+def _identity(input: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    return input
+
+
+class FirstStepChecks:
+    """The checks ``PrivacyEngine`` runs on its first steps (module docstring), with what they need: the loader's
+    items (``fetch_items`` / ``collate``, or ``fetch`` for a dataset whose ``__getitems__`` returns a batch), the
+    issued batch's items and the random state it was issued at. ``enabled`` False (the caller's opt-out) skips all."""
+
+    def __init__(self, capture: Capture, layout: Layout, *, n: int, fetch_items: Callable[[list[int]], Any],
+                 collate: Callable[[list[Any]], Any], fetch: Callable[[list[int]], Any], enabled: bool) -> None:
+        self.capture, self.layout, self.n, self.enabled = capture, layout, n, enabled
+        self._fetch_items, self._collate, self._fetch = fetch_items, collate, fetch
+        self.coupling_done = self.replay_done = not enabled
+        self._items: list[int] = []
+        self._batch: Any = None
+        self._rng: dict[str, Any] | None = None
+
+    def issue(self, items: list[int], batch: Any, device: torch.device) -> None:
+        """The loader yields ``batch`` (of ``items``) now: remember them and the random state (for the replay)."""
+        self._items = items
+        self._batch, self._rng = (batch, random_state(device)) if not self.replay_done else (None, None)
+
+    def coupling(self, loss_fn: Callable[[Any], Tensor]) -> None:
+        """``check_batch_coupling`` once, on the issued batch's first 16 items (padded to >= 4 with the dataset's
+        first items)."""
+        if self.coupling_done:
+            return
+        items = self._items[:MAX_ITEMS]
+        items = items + [i for i in range(min(self.n, 8)) if i not in set(items)][: max(0, 4 - len(items))]
+        check_batch_coupling(self.capture, self.layout, loss_fn, self._batch_maker(items), len(items))
+        self.coupling_done = True
+
+    def replay(self, actual: PerSampleRows, loss_fn: Callable[[Any], Tensor], rng: dict[str, Any] | None, *,
+               what: str, reduction: str | None) -> None:
+        """``check_replay`` once, of ``actual`` against ``loss_fn`` on the batch the loader yielded, from ``rng``
+        (None: the random state when it was yielded)."""
+        rng = rng if rng is not None else self._rng
+        if self.replay_done or rng is None or self._batch is None:
+            return
+        check_replay(actual, replayed_rows(self.capture, self.layout, loss_fn, self._batch, rng), what=what,
+                     reduction=reduction)
+        self.replay_done, self._batch, self._rng = True, None, None
+
+    def _batch_maker(self, items: list[int]) -> Callable[[list[int]], Any]:
+        """positions -> the batch of those of ``items``, from items fetched once (``__getitem__`` randomness frozen)."""
+        got = self._fetch_items(items)
+        if isinstance(got, list) and len(got) == len(items):
+            return lambda pos: self._collate([got[p] for p in pos])
+        return lambda pos: self._fetch([items[p] for p in pos])

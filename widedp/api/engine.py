@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from widedp import accounting
 from widedp.accounting.statement import SIZE_NOT_COVERED, PrivacyStatement
 from widedp.api.capture import Capture
-from widedp.api.coupling import check_batch_coupling, check_loss_reduction, reference_rows
+from widedp.api.coupling import UNCHECKED, FirstStepChecks, random_state
 from widedp.api.loader import PoissonLoader
 from widedp.api.per_sample import Layout, batch_size_of, collect, empty_rows, losses_and_rows
 from widedp.api.update import Updater
@@ -153,16 +153,15 @@ class PrivacyEngine:
         self._capture: Capture | None = None
         self._last_private: int = -1
         self._issued: tuple[int, int] | None = None  # (step, B) of the batch the Poisson loader last yielded
-        self._issued_items: list[int] = []  # its dataset indices (the first-batch checks recollate them)
         self._loss_fn: Any = None
-        self._checked = False  # the coupling check has run (``widedp.api.coupling``)
-        self._reduction_checked = False  # the hook path's loss_reduction has been compared once
+        self._checks: FirstStepChecks | None = None  # the first steps' checks (``widedp.api.coupling``)
 
     # --------------------------------------------------------------------------------------------------- setup
 
     def make_private(self, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any, *, epochs: int,
                      loss_fn: Callable[[Any], Tensor] | None = None, loss_reduction: Literal["sum", "mean"] = "sum",
-                     table_optimizer: str | None = None) -> tuple[nn.Module, DPOptimizer, PoissonLoader]:
+                     table_optimizer: str | None = None, check_independence: bool = True,
+                     ) -> tuple[nn.Module, DPOptimizer, PoissonLoader]:
         """Hook ``model``, wrap ``optimizer``, and replace ``data_loader`` by Poisson batches of its dataset.
 
         Args:
@@ -179,6 +178,8 @@ class PrivacyEngine:
             loss_reduction: what your ``loss.backward()`` runs on: ``sum`` (recommended) or ``mean`` of the [B]
                 losses; the first step refuses a backward of the other one.
             table_optimizer: ``sgd`` | ``lazy_adam`` | ``adam`` (None: from ``optimizer``'s type).
+            check_independence: False skips the first steps' checks (for a pipeline with randomness the checks cannot
+                replay); the statement then lists "samples' independence not checked".
         """
         if self._capture is not None:
             raise RuntimeError("make_private: this engine already trains a model; make a new PrivacyEngine")
@@ -200,7 +201,8 @@ class PrivacyEngine:
             raise
         self._capture, self._mean, self._loss_fn = capture, loss_reduction == "mean", loss_fn
         loader = PoissonLoader(self, dataset, data_loader.collate_fn)
-        self._batch_of = loader._fetch
+        self._checks = FirstStepChecks(capture, self.layout, n=n, fetch_items=loader.fetch_items,
+                                       collate=data_loader.collate_fn, fetch=loader._fetch, enabled=check_independence)
         return model, DPOptimizer(self, optimizer), loader
 
     def _setup(self, capture: Capture, optimizer: torch.optim.Optimizer, *, n: int, b: int, epochs: int,
@@ -261,15 +263,19 @@ class PrivacyEngine:
         ``loss_fn(batch)`` ([B] per-sample losses), without stepping. The first call checks that samples do not
         interact (``widedp.api.coupling``) on the loader's last batch, or on the dataset's first items."""
         cap = self._ready()
-        self._check_coupling(loss_fn)
+        assert self._checks is not None
+        self._checks.coupling(loss_fn)
         return losses_and_rows(cap, self.layout, loss_fn, batch)
 
     def step(self, batch: Any, loss_fn: Any) -> Tensor:
         """One DP step on ``batch`` (from the loader): loss_fn(batch) -> [B] per-sample losses. Returns them."""
         self._check_budget()
         issued = self._take_issued()
+        rng = random_state(self._device)
         loss, g = self.per_sample_grads(batch, loss_fn)
         self._check_size(issued, g.batch_size)
+        assert self._checks is not None
+        self._checks.replay(g, loss_fn, rng, what="engine.step", reduction=None)
         self._dp_update(g)
         return loss
 
@@ -281,43 +287,26 @@ class PrivacyEngine:
             issued = self._take_issued()
             b = batch_size_of(cap.records)
             self._check_size(issued, b)
-            ref = self._first_checks(b)
+            checks = self._checks
+            assert checks is not None
+            if not (checks.coupling_done and checks.replay_done) and self._loss_fn is None:
+                raise RuntimeError("optimizer.step(): pass make_private(..., loss_fn=per_sample_loss) (batch -> [B] "
+                                   "losses): the first step checks with it that samples do not interact and that "
+                                   "the backward matches loss_reduction (this step is not taken)")
+            checks.coupling(self._loss_fn)
             g = collect(cap, self.layout, batch=b, scale=float(b) if self._mean else 1.0)
-            if ref is not None:
-                check_loss_reduction(g, ref, reduction="mean" if self._mean else "sum")
-                self._reduction_checked = True
+            checks.replay(g, self._loss_fn, None, what="optimizer.step()", reduction="mean" if self._mean else "sum")
         except Exception:
             cap.clear()  # a refused step's records must not join the next step's
             self._updater.clear_grads()
             raise
         self._dp_update(g)
 
-    def _check_coupling(self, loss_fn: Callable[[Any], Tensor]) -> PerSampleRows | None:
-        """The coupling check, once: on the loader's last batch (padded with the dataset's first items to >= 4)."""
-        if self._checked:
-            return None
-        items = list(self._issued_items)
-        items += [i for i in range(min(self.n, 8)) if i not in set(items)][: max(0, 4 - len(items))]
-        ref = check_batch_coupling(self._ready(), self.layout, loss_fn, self._batch_of, items)
-        self._checked = True
-        return ref if len(items) == len(self._issued_items) else None  # a reference only for the batch itself
-
-    def _first_checks(self, b: int) -> PerSampleRows | None:
-        """The hook path's first steps: the coupling check (needs ``loss_fn``), and a reference of this batch's
-        per-sample gradients to compare the recorded ones with, until a batch of >= 4 samples has been compared."""
-        if self._checked and (self._reduction_checked or b < 4):
-            return None
-        if self._loss_fn is None:
-            raise RuntimeError("optimizer.step(): pass make_private(..., loss_fn=per_sample_loss) (batch -> [B] "
-                               "losses): the first step checks with it that samples do not interact and that the "
-                               "backward matches loss_reduction; nothing was spent")
-        if not self._checked:
-            return self._check_coupling(self._loss_fn)
-        return reference_rows(self._ready(), self.layout, self._loss_fn, self._batch_of(self._issued_items))
-
-    def _issue(self, step: int, items: list[int]) -> None:
-        """The loader yields step ``step``'s Poisson batch of ``items``: the one batch the next step may use."""
-        self._issued, self._issued_items = (step, len(items)), items
+    def _issue(self, step: int, items: list[int], batch: Any) -> None:
+        """The loader yields step ``step``'s Poisson ``batch`` of ``items``: the one batch the next step may use."""
+        self._issued = (step, len(items))
+        assert self._checks is not None
+        self._checks.issue(items, batch, self._device)
 
     def _take_issued(self) -> int:
         """The size of the batch the loader issued for this step; refuses a step on any other batch (the
@@ -376,7 +365,8 @@ class PrivacyEngine:
         reason = "" if self._seeds.private else ("secure_rng=False: sampling, selection and noise are derived from "
                                                   "the public seed given to PrivacyEngine")
         return PrivacyStatement(self.epsilon(), self._dp.delta, unit, accountant=self._dp.accountant.upper(),
-                                not_covered=() if self._dp.sampling_rate is not None else (SIZE_NOT_COVERED,),
+                                not_covered=(() if self._dp.sampling_rate is not None else (SIZE_NOT_COVERED,))
+                                + (() if self._checks is None or self._checks.enabled else (UNCHECKED,)),
                                 private=self._seeds.private, reason=reason,
                                 extra={"noise_multiplier": self.noise_multiplier, "steps": self.steps,
                                        "sampling_rate": self.sampling_rate, "selection": self._dp.selection.name})

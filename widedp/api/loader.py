@@ -36,10 +36,13 @@ class PoissonLoader:
         """Steps per epoch (the expected number of batches; empty ones are stepped, not yielded)."""
         return self.engine.steps_per_epoch
 
-    def _fetch(self, idx: list[int]) -> Any:
+    def fetch_items(self, idx: list[int]) -> Any:
+        """The items ``idx`` (what ``__getitems__`` returns when the dataset has one)."""
         get = getattr(self.dataset, "__getitems__", None)
-        items = get(idx) if get is not None else [self.dataset[i] for i in idx]
-        return self.collate_fn(items)
+        return get(idx) if get is not None else [self.dataset[i] for i in idx]
+
+    def _fetch(self, idx: list[int]) -> Any:
+        return self.collate_fn(self.fetch_items(idx))
 
     def __iter__(self) -> Iterator[Any]:
         e = self.engine
@@ -55,7 +58,7 @@ class PoissonLoader:
                 e.empty_step()
                 continue
             batch = self._fetch(idx)
-            e._issue(t, idx)
+            e._issue(t, idx, batch)
             yield batch
             if e.steps == t:
                 raise RuntimeError(f"step {t}: the previous Poisson batch was not used for a DP step; call "

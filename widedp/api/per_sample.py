@@ -152,8 +152,9 @@ def check_independent(capture: Capture, v: Tensor, weighted: list[Tensor | None]
         gv, want = gv[ok], want[ok]
         if not want.numel():
             continue
+        tol = max(rtol, 8 * torch.finfo(gv.dtype).eps, 8 * torch.finfo(r.go.dtype).eps)  # bf16 tables: 8 eps(bf16)
         err = float((gv - want).abs().max())
-        if not err <= rtol * float(want.abs().max()) + 1e-7:
+        if not err <= tol * float(want.abs().max()) + 1e-7:
             raise UnsupportedModelError(f"{capture.label(r)}: a sample's loss depends on other samples' outputs of "
                                         f"this layer (max error {err:.3g}): samples interact (batch statistics, "
                                         "in-batch negatives, a batch-level loss term, or a lookup that is not one row "

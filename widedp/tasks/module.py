@@ -100,6 +100,11 @@ class DatasetSplit:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def batch_of_items(self, ids: list[int]) -> Callable[[list[int]], Any]:
+        """positions -> the batch of those of items ``ids``, fetched once (randomness of ``__getitem__`` frozen)."""
+        items = [self.dataset[i] for i in ids]
+        return lambda pos: _to(self.collate([items[p] for p in pos]), self.device)
+
     def batch(self, idx: Tensor) -> Any:
         ids = idx.tolist()
         if not ids:
@@ -171,8 +176,8 @@ class ModuleModel:
         assert self._capture is not None
         with torch.inference_mode(False), torch.enable_grad():
             try:
-                check_batch_coupling(self._capture, lay, self, lambda ids: split.batch(torch.tensor(ids)),
-                                     range(min(len(split), 8)))
+                check_batch_coupling(self._capture, lay, self, split.batch_of_items(list(range(min(len(split), 16)))),
+                                     min(len(split), 16))
             except UnsupportedModelError as e:
                 raise ConfigError(f"model.factory: {e}") from None
             except IdOutOfRangeError as e:
