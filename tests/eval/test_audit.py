@@ -108,9 +108,10 @@ train: {{epochs: 10, batch_size: 170, optimizer: sgd, lr: 0.5, log_every: 50, ev
 
 
 def _audit(tmp_path, **kw):
-    per_step = kw.pop("per_step", True)
+    per_step, scale = kw.pop("per_step", True), kw.pop("scale", None)
     cfg = load_config(str(_cfg(tmp_path, **kw)), [])
-    return audit_mod.run_audit(cfg, tmp_path / "run", canaries=M, per_step=per_step, coin_seed=1, plot=False)
+    return audit_mod.run_audit(cfg, tmp_path / "run", canaries=M, per_step=per_step, coin_seed=1, plot=False,
+                               scale=scale)
 
 
 def _break(monkeypatch, how: str) -> None:
@@ -128,7 +129,9 @@ def _break(monkeypatch, how: str) -> None:
 @pytest.mark.parametrize("how", ["noise_x0.1", "clip_skipped", "selection_free"])
 def test_broken_mechanism_is_caught(tmp_path, monkeypatch, how, capsys):
     _break(monkeypatch, how)
-    rep = _audit(tmp_path, selection=EXPONENTIAL if how == "selection_free" else "{name: all}")
+    # (the canaries' rows at 40·S1: a gradient of ~20·S1, which only the clip keeps at S1)
+    rep = _audit(tmp_path, selection=EXPONENTIAL if how == "selection_free" else "{name: all}",
+                 scale=40.0 if how == "clip_skipped" else None)
     print(how, audit_mod.format_line(rep))
     assert rep["epsilon"] <= 1.0  # the claim
     assert rep["epsilon_lower"] > rep["epsilon"], rep["scores"]  # refuted at 95%
@@ -145,7 +148,7 @@ def test_correct_mechanism_stays_below(tmp_path):
 def test_nonprivate_run_reaches_near_the_cap(tmp_path):
     rep = _audit(tmp_path, dp=False, per_step=False)
     assert rep["epsilon"] is None and not rep["private"]
-    assert rep["epsilon_lower"] >= 0.8 * rep["epsilon_cap"], rep["scores"]  # measured: 198/200 correct, 3.07 of 3.66
+    assert rep["epsilon_lower"] >= 0.8 * rep["epsilon_cap"], rep["scores"]  # measured: 199/200 correct, 3.31 of 3.66
 
 
 def test_cross_check_on_the_same_scores(tmp_path, monkeypatch):
