@@ -118,8 +118,12 @@ def main() -> None:
                     continue
                 base = next((c for c in cells if (c["mechanism"], c["epsilon_target"], c["unit"]) ==
                              ("dpsgd", eps, unit) and "error" not in c), None)
-                cell = run_cell(mech, eps, unit, m=a.canaries, work=Path(a.work),
-                                sigma_dpsgd=base["noise_multiplier"] if base else None)
+                try:
+                    cell = run_cell(mech, eps, unit, m=a.canaries, work=Path(a.work),
+                                    sigma_dpsgd=base["noise_multiplier"] if base else None)
+                except RuntimeError as e:  # (gaussian_threshold without its DP-SGD cell)
+                    cell = {"mechanism": mech, "epsilon_target": eps, "unit": unit, "m": a.canaries, "wall_s": 0.0,
+                            "error": str(e)}
                 cells = [c for c in cells if (c["mechanism"], c["epsilon_target"], c["unit"]) != key] + [cell]
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(cells, indent=1))
