@@ -251,3 +251,16 @@ def test_lower_bound_for_any_trainer():
     assert 1.0 < res["epsilon_lower"] <= res["epsilon_cap"] and res["correct"] <= res["guesses"]
     null = ab.lower_bound(torch.randn(1000, generator=gen).numpy(), coins, delta=1e-5)  # no signal
     assert null["epsilon_lower"] < 0.5
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_sentence_unit(tmp_path, monkeypatch, broken):
+    """Canaries as two-word sentences (units of two samples, clipped together): noise × 0.1 caught, the correct
+    mechanism not."""
+    if broken:
+        _break(monkeypatch, "noise_x0.1")
+    cfg = load_config(str(_cfg(tmp_path)), ["data.privacy_unit=sentence", "train.batch_size=20"])
+    rep = audit_mod.run_audit(cfg, tmp_path / "run", canaries=M, per_step=True, coin_seed=1, plot=False)
+    assert rep["epsilon"] <= 1.0 and rep["canary"]["unit"] == "sentence"
+    print("sentence", "broken" if broken else "correct", audit_mod.format_line(rep))
+    assert (rep["epsilon_lower"] > rep["epsilon"]) == broken, rep["scores"]
