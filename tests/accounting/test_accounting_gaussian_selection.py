@@ -14,7 +14,7 @@ from widedp.accounting import pld as P
 from widedp.accounting.parts import costs_of
 from widedp.config import DPConfig, GaussianThresholdSelectionConfig
 from widedp.dp.spend import GaussianSelectionSpend, GaussianSpend, StepSpend
-from widedp.run import budget
+from widedp.run import plan
 
 DELTA = 1e-5
 SIGMA, SIGMA_SEL, D2 = 0.9, 2.0, 1e-3  # gradient noise (relative to its sensitivity Δ₂), selection noise
@@ -85,12 +85,12 @@ def test_folding_against_a_monte_carlo_of_the_two_dimensional_mechanism():
 def test_ledger_budget_and_calibration():
     sel = GaussianThresholdSelectionConfig(sigma=SIGMA_SEL, threshold_sigmas=3.0)
     dp = DPConfig(clip1=1.0, clip2=None, noise_multiplier=SIGMA, selection=sel)
-    step = budget.step_spend(dp, num_rows=1000, batch_size=100, n=10_000)
+    step = plan.step_spend(dp, num_rows=1000, batch_size=100, n=10_000)
     assert step == StepSpend(0.01, (GaussianSpend(SIGMA, 0.01), GaussianSelectionSpend(SIGMA_SEL, 1.0)))
     led = accounting.Ledger([(step, 7)])
     assert accounting.Ledger.from_json(led.to_json()) == led
     target, steps = 2.0, 300
-    mk_sigma = lambda s: budget.step_spend(  # noqa: E731
+    mk_sigma = lambda s: plan.step_spend(  # noqa: E731
         DPConfig(clip1=1.0, clip2=None, noise_multiplier=s, selection=sel), num_rows=1000, batch_size=100, n=10_000)
     sigma = accounting.calibrate_noise_multiplier(mk_sigma, steps=steps, delta=DELTA, target_epsilon=target)
     e = accounting.epsilon_for_step(mk_sigma(sigma), steps=steps, delta=DELTA)
@@ -101,10 +101,10 @@ def test_ledger_budget_and_calibration():
     cfg = Config(data=DataConfig(splits=(10_000, 10, 10)), train=TrainConfig(epochs=3, batch_size=100),
                  dp=DPConfig(clip1=1.0, clip2=None, noise_multiplier=1.5, selection=sel, target_epsilon=target,
                              calibrate="selection_epsilon"))
-    dp2 = budget.calibrated(cfg, num_rows=1000, n=10_000)
+    dp2 = plan.calibrated(cfg.dp, steps=plan.total_steps(cfg, 10_000), batch_size=100, num_rows=1000, n=10_000)
     s_sel = dp2.selection.sigma
     assert dp2.selection.tau == pytest.approx(3 * s_sel)
-    e2 = accounting.epsilon_for_step(budget.step_spend(dp2, num_rows=1000, batch_size=100, n=10_000), steps=300,
+    e2 = accounting.epsilon_for_step(plan.step_spend(dp2, num_rows=1000, batch_size=100, n=10_000), steps=300,
                                      delta=DELTA)
     assert 0.99 * target <= e2 <= target
     assert math.isfinite(s_sel) and s_sel > 0

@@ -70,7 +70,7 @@ def test_round_trip_and_hash():
         ({"dp": {"delta": 2, "selection": {"name": "all"}}}, "dp.delta"),
         ({"dp": {"calibrate": "noise_multiplier", "selection": {"name": "all"}}}, "needs dp.target_epsilon"),
         ({"dp": {"target_epsilon": 3, "calibrate": "selection_epsilon", "selection": {"name": "all"}}},
-         "data-dependent selection"),
+         "a selection with a privacy parameter"),
         # wrong section types used to be tracebacks (TypeError / ValueError) or silently the defaults
         ({"data": [1, 2]}, "data: expected a mapping, got list [1, 2]"),
         ({"data": "brown"}, "data: expected a mapping, got str 'brown'"),

@@ -202,13 +202,13 @@ def test_config_refuses_what_secure_noise_does_not_cover(dp, match):
 
 
 def test_config_secure_noise_plans_the_discrete_record_and_keeps_old_hashes():
-    from widedp.run import budget
+    from widedp.run import plan
 
     with pytest.raises(ConfigError, match="data.vocabulary: dp"):
         config_from_dict({"dp": {"selection": SEL, "noise": "secure", "accountant": "rdp"},
                           "data": {"vocabulary": "dp", "privacy_unit": "sentence"}})
     cfg = config_from_dict({"dp": {"selection": SEL, "noise": "secure", "accountant": "rdp"}})
-    spend = budget.step_spend(cfg.dp, num_rows=100, batch_size=10, n=1000)
+    spend = plan.step_spend(cfg.dp, num_rows=100, batch_size=10, n=1000)
     assert spend == dp_step_spend(make_selector(cfg.dp.selection, num_rows=100), sampling_rate=0.01,
                                   noise_multiplier=cfg.dp.noise_multiplier, clip1=cfg.dp.clip1, clip2=cfg.dp.clip2,
                                   batch_size=10, noise="secure")

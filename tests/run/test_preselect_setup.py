@@ -21,7 +21,7 @@ from widedp.dp import rng, units, vocab
 from widedp.dp.rowgrads import PerSampleRows
 from widedp.dp.selection.preselect import preselect_step
 from widedp.errors import ConfigError
-from widedp.run import budget, preselect_setup
+from widedp.run import plan, preselect_setup
 from widedp.tasks.cbow import build_cbow
 
 PRE = "preselect: {rows: 10, sigma: 2.0, threshold_sigmas: 1.0}"
@@ -126,7 +126,6 @@ def test_drawn_from_the_secret_noise_seed(tmp_path):
         kept.append(pre.rows.tolist())
         assert (out / rng.PRIVATE_DIR / preselect_setup.PRESELECT_FILE).stat().st_mode & 0o077 == 0
     assert kept[0] == kept[2] and kept[0] != kept[1]
-    assert budget.PRESELECT_WIRED
 
 
 def _batch(samples, num_rows, dim=3, seed=0):
@@ -185,16 +184,14 @@ def test_opacus_engine_is_refused(tmp_path, capsys):
 
 
 def test_selection_calibration_of_gaussian_threshold_includes_the_prefix(tmp_path):
-    from widedp.run import run_budget
-
     cfg = load_config(_config(tmp_path, selection="{name: gaussian_threshold, sigma: 2.0, threshold_sigmas: 0.5}",
                               dp_extra="target_epsilon: 6.0\n  calibrate: selection_epsilon"))
-    rb = run_budget.for_config(cfg)
-    assert rb.prefix == (preselect_step(cfg.dp.preselect),) and not rb.vocabulary
-    dp = run_budget.calibrated(cfg, num_rows=26, n=1000, rb=rb)
+    rb = plan.prefix_of(cfg)
+    assert rb.entries == (preselect_step(cfg.dp.preselect),) and not rb.vocabulary
+    dp = plan.calibrated(cfg.dp, steps=plan.total_steps(cfg, 1000), batch_size=10, num_rows=26, n=1000, prefix=rb)
     assert dp.selection.sigma != 2.0 and dp.selection.threshold_sigmas == 0.5
-    step = budget.step_spend(dp, num_rows=26, batch_size=10, n=1000)
-    eps = accounting.compose_epsilon([(rb.prefix[0], 1), (step, 100)], delta=1e-5, accountant="rdp")
+    step = plan.step_spend(dp, num_rows=26, batch_size=10, n=1000)
+    eps = accounting.compose_epsilon([(rb.entries[0], 1), (step, 100)], delta=1e-5, accountant="rdp")
     assert 0.99 * 6.0 <= eps <= 6.0
 
 
@@ -208,7 +205,7 @@ def test_after_a_dp_vocabulary_with_sentence_units(tmp_path, capsys):
     assert main(["train", str(cfg_path), "--out", str(out), "--no-progress"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert (out / vocab.RELEASE_FILE).is_file() and summary["units"]["privacy_unit"] == "sentence"
-    voc, pre = budget.vocabulary_spend(cfg.data.vocab_dp), preselect_step(cfg.dp.preselect)
+    voc, pre = plan.vocabulary_spend(cfg.data.vocab_dp), preselect_step(cfg.dp.preselect)
     ledger = accounting.Ledger.from_json(summary["dp"]["ledger"])
     assert list(ledger.runs[:2]) == [(voc, 1), (pre, 1)] and ledger.steps == summary["steps"] + 2
     d_tau = cfg.data.vocab_dp.delta

@@ -100,7 +100,7 @@ def test_kill_9_then_resume_matches_uninterrupted_run(tmp_path):
 
 def test_unreplayable_resume_keeps_journaled_steps():
     from widedp.dp.spend import ExponentialSpend, GaussianSpend, StepSpend
-    from widedp.run.budget import resumed_ledger
+    from widedp.run.journal import resumed_ledger
 
     step = StepSpend(0.01, (GaussianSpend(1.0, 0.1), ExponentialSpend(0.5, 4)))
     ckpt, journal = accounting.Ledger(), accounting.Ledger()

@@ -175,8 +175,9 @@ def test_default_keys_keep_old_config_hashes(tmp_path):
 
     d = load_config(_config(tmp_path, unit="pair", vocabulary="private_top")).to_dict()
     for k in ("privacy_unit", "max_samples_per_unit", "vocabulary", "vocab_dp", "min_count", "negatives_pool"):
-        d["data"].pop(k)  # a config written before issue 11 (and before data.min_count, data.negatives_pool)
+        d["data"].pop(k)  # a config written before privacy units (and before data.min_count, data.negatives_pool)
     d["dp"].pop("sampling_rate")  # (and before dp.sampling_rate)
+    d["dp"].pop("noise")  # (and before dp.noise)
     before = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]  # the hash it was recorded with
     cfg = config_from_dict(d)
     assert cfg.data.privacy_unit == "pair" and cfg.hash() == before

@@ -53,10 +53,9 @@ from widedp.dp import rng
 from widedp.dp.rowgrads import PerSampleRows
 from widedp.dp.sampling import PoissonSampler
 from widedp.dp.selection import SelectionContext, make_selector
-from widedp.dp.spend import StepSpend
-from widedp.dp.step import StepStats, dp_step, dp_step_spend
+from widedp.dp.step import StepStats, dp_step
 from widedp.errors import ConfigError
-from widedp.run import budget
+from widedp.run import plan
 
 STATE_FORMAT = "widedp.engine/1"
 UNIT_NAMES = {"example": "training example"}
@@ -212,26 +211,17 @@ class PrivacyEngine:
         self._updater = Updater(self.layout, optimizer, table_optimizer)
         self._updater.clear_grads()  # gradients from before make_private are not this run's
         self.n, self.batch_size, self.epochs = n, b, epochs
-        self.sampling_rate = budget.sampling_rate(self._dp, b, n)
-        self.steps_per_epoch = budget.steps_per_epoch(b, n, rate=self._dp.sampling_rate)
+        self.sampling_rate = plan.sampling_rate(self._dp, b, n)
+        self.steps_per_epoch = plan.steps_per_epoch(b, n, rate=self._dp.sampling_rate)
         self.total_steps = epochs * self.steps_per_epoch
         self._selector = make_selector(self._dp.selection, num_rows=self.layout.table_rows)
-        dp = self._dp
+        at = {"num_rows": self.layout.table_rows, "batch_size": b, "n": n}  # the privacy plan, as a run's
         if not self._sigma_given:
-            sigma = accounting.calibrate_noise_multiplier(self._spend, steps=self.total_steps, delta=dp.delta,
-                                                          target_epsilon=dp.target_epsilon, accountant=dp.accountant)
-            self._dp = dp = dataclasses.replace(dp, noise_multiplier=sigma)
-        self.budget_steps = None if dp.target_epsilon is None else accounting.max_steps(
-            self._spend(dp.noise_multiplier), delta=dp.delta, target_epsilon=dp.target_epsilon,
-            accountant=dp.accountant)
+            self._dp = dataclasses.replace(plan.calibrated(dataclasses.replace(self._dp, calibrate="noise_multiplier"),
+                                                           steps=self.total_steps, **at), calibrate="none")
+        self.budget_steps = plan.budget_steps(self._dp, plan.step_spend(self._dp, **at))
         self._device = self.layout.tables[0].weight.device
         self._start_randomness(self._seeds)
-
-    def _spend(self, sigma: float) -> StepSpend:
-        """What one step spends at noise multiplier ``sigma`` (the record ``dp_step`` emits)."""
-        dp = self._dp
-        return dp_step_spend(self._selector, sampling_rate=self.sampling_rate, noise_multiplier=sigma, clip1=dp.clip1,
-                             clip2=dp.clip2, batch_size=self.batch_size, noise=dp.noise)
 
     def _start_randomness(self, seeds: rng.RunSeeds) -> None:
         self._seeds = seeds

@@ -202,11 +202,10 @@ class DPConfig:
             positive("dp.target_epsilon", self.target_epsilon)
         if self.calibrate != "none" and self.target_epsilon is None:
             raise ConfigError("dp.calibrate: needs dp.target_epsilon")
-        if self.calibrate == "selection_epsilon" and not isinstance(
-            self.selection, (ExponentialSelectionConfig, SparseVectorSelectionConfig, GaussianThresholdSelectionConfig)
-        ):
+        if self.calibrate == "selection_epsilon" and not hasattr(self.selection, "with_privacy"):
             raise ConfigError(
-                f"dp.calibrate: selection_epsilon needs a data-dependent selection, not {self.selection.name!r}"
+                f"dp.calibrate: selection_epsilon needs a selection with a privacy parameter (its config's "
+                f"with_privacy knob), not {self.selection.name!r}"
             )
 
 

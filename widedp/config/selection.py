@@ -1,9 +1,10 @@
-"""The ``dp.selection`` section (one frozen dataclass per mechanism, ``SELECTIONS``: name -> class) and the one-shot
+"""The ``dp.selection`` section (one frozen dataclass per mechanism, ``SELECTIONS``: name -> class; a mechanism whose
+privacy can be calibrated names its knob by ``with_privacy(x)``, ε increasing in x) and the one-shot
 pre-selection ``dp.preselect``. ``widedp.config`` re-exports them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from widedp.config.tools import k_or_gamma, positive
@@ -53,6 +54,10 @@ class GaussianThresholdSelectionConfig:
     def tau(self) -> float:
         """τ in count units."""
         return _tau(self.threshold, self.threshold_sigmas, self.sigma)
+
+    def with_privacy(self, x: float) -> GaussianThresholdSelectionConfig:
+        """The knob calibration moves: x = 1/sigma (ε grows with it); ``threshold_sigmas`` keeps τ = c·sigma."""
+        return replace(self, sigma=1.0 / x)
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,10 @@ class ExponentialSelectionConfig:
         positive("dp.selection.score_clip", self.score_clip)
         _count_clip(self.score, self.score_clip)
 
+    def with_privacy(self, x: float) -> ExponentialSelectionConfig:
+        """The knob calibration moves: x = epsilon'' of each pick."""
+        return replace(self, epsilon=x)
+
 
 def _count_clip(score: str, score_clip: float) -> None:
     if score == "count" and score_clip < 1:
@@ -167,6 +176,10 @@ class SparseVectorSelectionConfig:
             raise ConfigError(f"dp.selection.threshold_fraction: must be in (0, 1), got {self.threshold_fraction}")
         if self.release_values and self.epsilon_release <= 0:
             raise ConfigError("dp.selection.epsilon_release: must be > 0 when release_values is true")
+
+    def with_privacy(self, x: float) -> SparseVectorSelectionConfig:
+        """The knob calibration moves: x = the epsilon of one segment."""
+        return replace(self, epsilon=x)
 
 
 @dataclass(frozen=True)

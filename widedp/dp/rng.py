@@ -11,7 +11,7 @@ regenerate them can subtract the noise and read every step's clipped gradient. S
 
 What resume needs to replay the lost steps exactly (the seeds and the generators' states at the checkpoint's step)
 lives in ``RUN/private/`` too; ``RUN/private/`` must never be shared. A missing file there means fresh randomness and
-the journaled steps after the checkpoint charged again (the run says so: ``widedp.run.budget.warn_redrawn``); a
+the journaled steps after the checkpoint charged again (the run says so: ``widedp.run.journal.warn_redrawn``); a
 damaged one (truncated, corrupted, another step's) is refused in one line (``damaged``), never taken for missing.
 
 Every generator that protects data is seeded through ``generator`` / ``seed_generator``: torch's CPU generator

@@ -17,7 +17,7 @@ partition selection is the same shape):
    1 - Phi((tau - 1/sqrt(n))/sigma)^n (independent noise). tau is the smallest value with
    max_{1<=n<=k} [1 - Phi((tau - 1/sqrt(n))/sigma)^n] <= delta_tau (``vocab_dp.delta``).
 
-Privacy (``widedp.run.run_budget``): restricted to the words both neighbours have, the release is the Gaussian
+Privacy (``widedp.run.plan``): restricted to the words both neighbours have, the release is the Gaussian
 mechanism with sensitivity 1, noise multiplier sigma (post-processed); the event "a new word is released" has
 probability <= delta_tau and is independent of that Gaussian's noise. So, composed adaptively with training
 (ledger: this Gaussian as a step at sampling rate 1, then the training steps), with (eps_L, delta_L) the ledger's

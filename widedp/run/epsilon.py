@@ -1,6 +1,6 @@
 """``widedp epsilon CONFIG``: the privacy a config would spend over its whole run, as JSON, without training.
 
-It makes the privacy plan a run makes (``run_budget.plan``: the prefix, calibration, the per-step spend, the budget
+It makes the privacy plan a run makes (``widedp.run.plan``: the prefix, calibration, the per-step spend, the budget
 cap) from the task's n, rows and units (``widedp.tasks.Task.shape``), so the figure is the one the run reports.
 """
 
@@ -14,7 +14,7 @@ from widedp.accounting.statement import for_config, for_run
 from widedp.config import Config
 from widedp.dp import units
 from widedp.errors import ConfigError
-from widedp.run import budget, run_budget
+from widedp.run import plan as plans
 from widedp.tasks import AlgorithmTask, get_task
 
 
@@ -28,28 +28,29 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
         return task.epsilon_report(cfg)
     if cfg.dp is None:
         raise ConfigError("epsilon: the config has no dp: section (non-private training spends no budget)")
-    rb = run_budget.for_config(cfg)
+    prefix = plans.prefix_of(cfg)
     shape = task.shape(cfg)
     grouped = task.units(cfg, shape.train, device="cpu")
     n_units = grouped.num_units if grouped is not None else shape.n
-    plan = run_budget.plan(cfg, rb, num_rows=shape.num_rows, n=n_units)
+    plan = plans.plan(cfg, prefix, num_rows=shape.num_rows, n=n_units)
     dp, b = plan.dp, cfg.train.batch_size
-    steps = budget.total_steps(cfg, n_units)
+    steps = plans.total_steps(cfg, n_units)
     if plan.cap is not None:
         steps = min(steps, plan.cap)
-    rep = accounting.report(plan.spend, steps=steps, delta=rb.accounting_delta(dp.delta), accountant=dp.accountant)
+    rep = accounting.report(plan.spend, steps=steps, delta=prefix.accounting_delta(dp.delta),
+                             accountant=dp.accountant)
     rep.update({"n_train": shape.n, "batch_size": b, "selection": dp.selection.name,
                 "selection_epsilon": getattr(dp.selection, "epsilon", None), "budget_steps": plan.cap})
-    if not units.is_per_sample(cfg) or rb.prefix:
+    if not units.is_per_sample(cfg) or prefix.entries:
         rep.update({"n_units": n_units, "privacy_unit": units.privacy_unit(cfg),
                     "batch_size_unit": "units" if not units.is_per_sample(cfg) else "samples", **shape.notes})
     if not units.is_per_sample(cfg):
         rep["max_samples_per_unit"] = cfg.data.max_samples_per_unit
-    if rb.prefix:
+    if prefix.entries:
         _with_prefix(rep, cfg, plan, steps)
     accountant = dp.accountant
     if dp.engine == "opacus":  # the run reports Opacus' own accountant: so does its plan
-        accountant = _opacus(rep, dp, budget.sampling_rate(dp, b, n_units), steps)
+        accountant = _opacus(rep, dp, plans.sampling_rate(dp, b, n_units), steps)
     st = for_run(for_config(task.privacy(cfg), cfg), epsilon=rep["epsilon"], delta=dp.delta,
                  accountant=accountant, private_rng=dp.rng == "secure")
     return {"privacy": st.text} | rep
@@ -67,27 +68,27 @@ def _opacus(rep: dict[str, Any], dp: Any, q: float, steps: int) -> str:
     return f"Opacus {acct.upper()}"
 
 
-def _with_prefix(rep: dict[str, Any], cfg: Config, plan: run_budget.DPPlan, steps: int) -> None:
+def _with_prefix(rep: dict[str, Any], cfg: Config, plan: plans.DPPlan, steps: int) -> None:
     """The DP vocabulary and the row pre-selection composed with the steps: ``epsilon`` covers all, and
     ``epsilon_training_only`` the steps alone at ``dp.delta`` (not at the ledger's δ − δ_τ: what the steps would
     cost in a run without the prefix)."""
-    rb, dp = plan.rb, plan.dp
+    prefix, dp = plan.prefix, plan.dp
     rep["epsilon_training_only"] = accounting.compose_epsilon([(plan.spend, steps)] if steps else [], delta=dp.delta,
                                                               accountant=dp.accountant)
     for key, acct in (("epsilon_pld", "pld"), ("epsilon_rdp", "rdp")):
-        rep[key] = run_budget.composed_epsilon(rb, dp, [(plan.spend, steps)], acct)
+        rep[key] = plans.composed_epsilon(prefix, dp, [(plan.spend, steps)], acct)
     rep["epsilon"] = rep["epsilon_pld"] if dp.accountant == "pld" else rep["epsilon_rdp"]
     rep["delta"] = dp.delta
     if dp.preselect is not None:  # the last prefix entry
         rep["preselect"] = {"mechanism": "one-shot Gaussian row pre-selection (widedp.dp.selection.preselect)",
                             "sampling_rate": 1.0, "noise_multiplier": dp.preselect.sigma, "sensitivity": 1.0,
                             "rows": dp.preselect.rows, "threshold": dp.preselect.tau,
-                            "epsilon_alone": run_budget.composed_epsilon(run_budget.RunBudget(rb.prefix[-1:]), dp, [])}
-    if rb.vocabulary:  # the first prefix entry
-        v = cfg.data.vocab_dp
+                            "epsilon_alone": plans.composed_epsilon(plans.Prefix(prefix.entries[-1:]), dp, [])}
+    if prefix.vocabulary:  # the first prefix entry
+        v, first = cfg.data.vocab_dp, replace(prefix, entries=prefix.entries[:1])
         rep["vocabulary"] = {"mechanism": "Gaussian partition selection (widedp.dp.vocab)", "sampling_rate": 1.0,
                              "noise_multiplier": v.noise_multiplier, "sensitivity": 1.0,
                              "max_words_per_unit": v.max_words_per_unit, "threshold_delta": v.delta,
-                             "epsilon_alone": run_budget.composed_epsilon(replace(rb, prefix=rb.prefix[:1]), dp, []),
+                             "epsilon_alone": plans.composed_epsilon(first, dp, []),
                              "accounting": f"ledger eps at delta - {v.delta:g} (vocabulary Gaussian + steps) "
                                            f"+ ln(1/(1 - {v.delta:g}))"}

@@ -9,7 +9,7 @@ restricts its selector and every step's per-sample rows; any task the loop train
   seed (``widedp.dp.rng.derived_seed``: a stream of its own, independent of the training noise and of the DP
   vocabulary's), so it is as secret as the training noise (``dp.rng: reproducible``: derived from train.seed, NOT
   private).
-- Spend: charged once, before the first step, as a ``run_budget.RunBudget`` prefix entry after the DP vocabulary's
+- Spend: charged once, before the first step, as a ``widedp.run.plan.Prefix`` entry after the DP vocabulary's
   (the engine's ledger and journal; calibration and ``widedp epsilon`` include it).
 - Resume: the kept rows are written to ``RUN/private/preselect.json`` before anything uses them; a resumed run loads
   them (never draws again: a second draw would be a second release). If that file is gone the run is refused.

@@ -13,7 +13,7 @@ from typing import Any
 from widedp import accounting
 from widedp.accounting import statement
 from widedp.config import Config
-from widedp.run import budget, run_budget
+from widedp.run import plan
 
 DIAGNOSTICS_NOTICE = ("NON-PRIVATE diagnostics of the training batches (train loss, clipping, selection "
                       "statistics): not covered by the privacy guarantee; do not share this file. Share only what "
@@ -21,10 +21,10 @@ DIAGNOSTICS_NOTICE = ("NON-PRIVATE diagnostics of the training batches (train lo
 
 
 def run_statement(facts: statement.UnitFacts, dp: Any, ledger: accounting.Ledger, *, private_rng: bool,
-                  rb: run_budget.RunBudget | None = None) -> statement.PrivacyStatement:
+                  prefix: plan.Prefix | None = None) -> statement.PrivacyStatement:
     """The statement of a run of the DP-sparse engine: the headline accountant's ε over everything the ledger
-    recorded (the DP vocabulary included, ``rb``)."""
-    eps = epoch_epsilons(dp, ledger, rb).get("epsilon", 0.0)
+    recorded (the DP vocabulary included, ``prefix``)."""
+    eps = epoch_epsilons(dp, ledger, prefix).get("epsilon", 0.0)
     return statement.for_run(facts, epsilon=eps, delta=dp.delta, accountant=dp.accountant, private_rng=private_rng)
 
 
@@ -52,13 +52,12 @@ def summary(cfg: Config, history: list[dict[str, Any]], *, step: int, per_epoch:
     return out
 
 
-def epoch_epsilons(dp: Any, ledger: accounting.Ledger, rb: run_budget.RunBudget | None = None
-                   ) -> dict[str, float]:
+def epoch_epsilons(dp: Any, ledger: accounting.Ledger, prefix: plan.Prefix | None = None) -> dict[str, float]:
     """Per-epoch ε for metrics.jsonl: the headline accountant's (as in the summary) and the RDP cross-check; with
-    a DP vocabulary (``rb``) its release is included."""
+    a DP vocabulary (``prefix``) its release is included."""
     if dp is None or not ledger.steps:
         return {}
-    return budget.ledger_epsilons(dp, ledger) if rb is None else run_budget.epsilons(dp, ledger, rb)
+    return plan.epsilons(dp, ledger, prefix)
 
 
 def plot_title(dp: Any, st: statement.PrivacyStatement) -> str:

@@ -1,6 +1,6 @@
 """One-shot DP pre-selection (DP-FEST): contribution totals, the exact law against brute force over all rows (with a
 broken false-positive ranking detected), its spend and the prefix-aware calibration / budget, the restricted selector
-in the step, and the guard (``budget.PRESELECT_WIRED``; training runs it: tests/run/test_preselect_setup.py)."""
+in the step, and its prefix entry (``widedp.run.plan``; training runs it: tests/run/test_preselect_setup.py)."""
 
 import itertools
 from dataclasses import replace
@@ -19,7 +19,7 @@ from widedp.dp.selection import SelectionContext, make_selector
 from widedp.dp.spend import GaussianSelectionSpend, GaussianSpend, StepSpend
 from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
-from widedp.run import budget
+from widedp.run import plan
 
 CTX = SelectionContext(0, 1)
 
@@ -121,17 +121,14 @@ def test_spend_and_prefix_aware_calibration():
     assert t < accounting.max_steps(mk(plain), delta=1e-5, target_epsilon=2.0, accountant="rdp")
 
 
-def test_wired_and_its_guard(monkeypatch):
+def test_its_prefix_entry():
     dp = DPConfig(clip1=1.0, clip2=None, noise_multiplier=1.0, selection=AllRowsConfig(), target_epsilon=3.0,
                   accountant="rdp", calibrate="noise_multiplier",
                   preselect=PreselectConfig(rows=10, sigma=3.0, threshold=5.0))
     cfg = Config(data=DataConfig(splits=(10_000, 10, 10)), train=TrainConfig(epochs=2, batch_size=100), dp=dp)
-    assert budget.PRESELECT_WIRED  # training runs it (tests/run/test_preselect_setup.py)
-    monkeypatch.setattr(budget, "PRESELECT_WIRED", False)
-    with pytest.raises(ConfigError, match="preselect"):
-        budget.calibrated(cfg, num_rows=100, n=10_000)
-    assert budget.preselect_runs(dp) == [(StepSpend(1.0, (GaussianSelectionSpend(3.0, 1.0),)), 1)]
-    assert budget.preselect_runs(replace(dp, preselect=None)) == []
+    assert plan.prefix_of(cfg).entries == (StepSpend(1.0, (GaussianSelectionSpend(3.0, 1.0),)),)
+    assert plan.preselect_runs(dp) == [(StepSpend(1.0, (GaussianSelectionSpend(3.0, 1.0),)), 1)]
+    assert plan.preselect_runs(replace(dp, preselect=None)) == []
 
 
 def test_restricted_selector_in_the_step():

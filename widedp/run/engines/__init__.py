@@ -10,7 +10,7 @@ RUN/private/ and know what is spent before the first step), ``setup(built, task)
 plan, with ``dp.preselect``'s one-shot draw: ``widedp.run.preselect_setup``), ``load_state_dict`` on resume, then
 per step ``sample(step)`` and ``step(drawn, epoch)``. The DP engines keep the privacy ledger, write the spent-budget
 journal ahead of every logging interval (``reserve``) and stop before a step would exceed ``dp.target_epsilon``
-(``exhausted``); ``widedp.run.budget`` says why.
+(``exhausted``); ``widedp.run.journal`` says why.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from widedp.accounting.statement import for_run
 from widedp.config import Config
 from widedp.dp.sampling import ShuffledBatches
 from widedp.errors import ConfigError
-from widedp.run import budget
+from widedp.run import plan
 from widedp.run.engines.base import Drawn, Report, StepOutput
 from widedp.tasks.protocol import Built, Task
 
@@ -42,7 +42,7 @@ class NonPrivateEngine:
         n = len(self._split)
         self.optimizer = task.optimizer(self.cfg, self.module)
         self._sampler = ShuffledBatches(n, batch_size=tc.batch_size, seed=tc.seed, device=self.device)
-        self.per_epoch, self.total = self._sampler.steps_per_epoch, budget.total_steps(self.cfg, n)
+        self.per_epoch, self.total = self._sampler.steps_per_epoch, plan.total_steps(self.cfg, n)
 
     def start(self) -> dict[str, Any]:
         return {"dp": None}

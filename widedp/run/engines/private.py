@@ -1,5 +1,5 @@
 """What both DP engines share: the run's secret seeds, what is spent before the first step, the privacy plan, the
-ledger, the spent-budget journal written ahead (``widedp.run.budget``) and the budget stop."""
+ledger, the spent-budget journal written ahead (``widedp.run.journal``) and the budget stop."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from widedp import accounting
 from widedp.config import Config
 from widedp.dp import rng
-from widedp.run import budget, run_budget
+from widedp.run import journal, plan
 from widedp.run import summary as run_summary
 
 
@@ -33,11 +33,11 @@ class PrivateEngine:
         self._seeds_lost = resumed and not self.replayable  # private/seeds.json was missing: fresh seeds drawn
         # what is spent before the first step: the DP vocabulary (released by the task's build, with the seed below)
         # and the row pre-selection (drawn by the engine's setup)
-        self.rb = run_budget.for_config(cfg)
-        self.prefix_seed = self.seeds.noise if self.rb.vocabulary else None
+        self.prefix = plan.prefix_of(cfg)
+        self.prefix_seed = self.seeds.noise if self.prefix.vocabulary else None
         self.unit_info: dict[str, Any] | None = None
         self._journal_floor = 0  # the journal's steps when the run resumed (it is never written lower)
-        if self.rb.vocabulary and not resumed:  # journaled before the task's build draws and writes the release
+        if self.prefix.vocabulary and not resumed:  # journaled before the task's build draws and writes the release
             self._write_journal(self._prefix_ledger())
 
     def _run_seeds(self, *, resumed: bool) -> tuple[rng.RunSeeds, bool]:
@@ -45,31 +45,31 @@ class PrivateEngine:
         return rng.run_seeds(self.out, mode=self.dp.rng, seed=self.cfg.train.seed, resume=resumed)
 
     def _plan(self, *, num_rows: int, n: int) -> None:
-        """The privacy plan over ``n`` samples (or units): the ledger, starting with the prefix's entries (``self.rb``,
-        each recorded once), sigma (or the selection's epsilon) calibrated for the whole run with the prefix, what
-        each step spends, the budget cap; the noise generator."""
+        """The privacy plan over ``n`` samples (or units): the ledger, starting with the prefix's entries
+        (``self.prefix``, each recorded once), sigma (or the selection's epsilon) calibrated for the whole run with
+        the prefix, what each step spends, the budget cap; the noise generator."""
         self.ledger = self._prefix_ledger()
-        self.plan = run_budget.plan(self.cfg, self.rb, num_rows=num_rows, n=n)
+        self.plan = plan.plan(self.cfg, self.prefix, num_rows=num_rows, n=n)
         self.dp, self.spend, self.cap = self.plan.dp, self.plan.spend, self.plan.cap
         b = self.cfg.train.batch_size
-        self.n_draw, self.sampling_rate = n, budget.sampling_rate(self.dp, b, n)
+        self.n_draw, self.sampling_rate = n, plan.sampling_rate(self.dp, b, n)
         if self.is_writer and not 0.5 <= self.sampling_rate * n / b <= 2:  # a fixed q far from b/N: utility only
             print(f"widedp: warning: dp.sampling_rate {self.sampling_rate:g} draws {self.sampling_rate * n:,.0f} "
                   f"training units per step on average, but train.batch_size (the noise's denominator) is {b:,}",
                   file=sys.stderr)
-        self.per_epoch = budget.steps_per_epoch(b, n, rate=self.dp.sampling_rate)
-        self.total = budget.total_steps(self.cfg, n)
+        self.per_epoch = plan.steps_per_epoch(b, n, rate=self.dp.sampling_rate)
+        self.total = plan.total_steps(self.cfg, n)
         self.noise_gen = rng.generator(self.seeds.noise, self.device)
 
     def _prefix_ledger(self) -> accounting.Ledger:
-        """A ledger of what is spent before the first step (``self.rb.prefix``, each part once)."""
+        """A ledger of what is spent before the first step (``self.prefix.entries``, each part once)."""
         ledger = accounting.Ledger()
-        for p in self.rb.prefix:
+        for p in self.prefix.entries:
             ledger.add(p)
         return ledger
 
     def start(self) -> dict[str, Any]:
-        if self.rb.prefix:
+        if self.prefix.entries:
             self._write_journal(self.ledger)  # the prefix's spend, before anything derived from it leaves
         return {"dp": {"noise_multiplier": self.dp.noise_multiplier, "selection": self.dp.selection.name,
                        "budget_steps": self.cap}}
@@ -77,7 +77,7 @@ class PrivateEngine:
     @property
     def trained(self) -> int:
         """Training steps recorded (the prefix is not a step)."""
-        return self.ledger.steps - self.rb.prefix_steps
+        return self.ledger.steps - len(self.prefix.entries)
 
     def exhausted(self) -> bool:
         return self.cap is not None and self.trained >= self.cap
@@ -94,7 +94,7 @@ class PrivateEngine:
         exactly spends again only what the journal already holds, so until it passes the journal's high-water mark
         the journal stays (a second crash, then a resume without ``private/``, must still count those steps)."""
         if self.is_writer and ledger.steps >= self._journal_floor:
-            budget.write_journal(self.out, ledger)
+            journal.write_journal(self.out, ledger)
 
     def _restart_randomness(self, step: int) -> None:
         """The generators' states at checkpoint ``step`` are lost (``RUN/private/rng-STEP.pt`` deleted or unreadable)
@@ -118,13 +118,13 @@ class PrivateEngine:
                         ) -> accounting.Ledger:
         """The checkpoint's ledger, or the journal's when the lost steps cannot be replayed (they stay spent).
         ``lost``: the missing private file that makes them unreplayable; the writer then says so in one line
-        (``budget.warn_redrawn``)."""
-        journal = budget.read_journal(self.out)
-        self._journal_floor = journal.steps if journal is not None else 0
+        (``journal.warn_redrawn``)."""
+        written = journal.read_journal(self.out)
+        self._journal_floor = written.steps if written is not None else 0
         checkpointed = accounting.Ledger.from_json(ckpt["ledger"])
-        ledger = budget.resumed_ledger(checkpointed, journal, replayable=replayable)
+        ledger = journal.resumed_ledger(checkpointed, written, replayable=replayable)
         if lost is not None and self.is_writer:
-            budget.warn_redrawn(lost, step=ckpt["step"], recharged=ledger.steps - checkpointed.steps)
+            journal.warn_redrawn(lost, step=ckpt["step"], recharged=ledger.steps - checkpointed.steps)
         return ledger
 
     def _lost_state(self, step: int, *, rank: int | None = None) -> str:
@@ -135,7 +135,7 @@ class PrivateEngine:
         return str(rng.state_path(self.out, step, rank=rank))
 
     def epsilons(self) -> dict[str, Any]:
-        return run_summary.epoch_epsilons(self.dp, self.ledger, self.rb)
+        return run_summary.epoch_epsilons(self.dp, self.ledger, self.prefix)
 
     def prune_private(self, step: int) -> None:
         rng.prune_states(self.out, step)

@@ -48,7 +48,7 @@ class SparseDPEngine(PrivateEngine):
         n = len(self._split)
         self.grouped = task.units(cfg, self._split, device=self.device)
         n_dp = self.grouped.num_units if self.grouped is not None else n  # what Poisson sampling draws
-        # The run's privacy plan, all in this one place: the ledger's prefix entries (self.rb.prefix: what is spent
+        # The run's privacy plan, all in this one place: the ledger's prefix entries (self.prefix.entries: what is spent
         # before the first step: the task's DP vocabulary, drawn by its build with self.prefix_seed, then the
         # one-shot row pre-selection, dp.preselect, drawn here), calibration, the per-step spend, the budget cap,
         # and the selector every step uses (over the pre-selected rows only).
@@ -143,8 +143,8 @@ class SparseDPEngine(PrivateEngine):
 
     def report(self, *, stopped: bool) -> Report:
         dp = self.dp
-        st = run_summary.run_statement(self.facts, dp, self.ledger, private_rng=self.seeds.private, rb=self.rb)
-        eps_rdp = run_summary.epoch_epsilons(dp, self.ledger, self.rb).get("epsilon_rdp", 0.0)
+        st = run_summary.run_statement(self.facts, dp, self.ledger, private_rng=self.seeds.private, prefix=self.prefix)
+        eps_rdp = run_summary.epoch_epsilons(dp, self.ledger, self.prefix).get("epsilon_rdp", 0.0)
         section = self._dp_summary(stopped=stopped)
         section.update(epsilon=st.epsilon, epsilon_rdp=eps_rdp)
         return Report(st, section, run_summary.plot_title(dp, st))

@@ -1,0 +1,193 @@
+"""A DP run's privacy plan, in one place: what it spends before the first step (the prefix), what every step spends,
+calibration to ``dp.target_epsilon``, the budget stop, and the ε it reports — for ``widedp train`` (the engines),
+``widedp epsilon``, ``widedp compare`` and ``PrivacyEngine`` alike.
+
+The prefix: the DP vocabulary (``widedp.dp.vocab``) and the one-shot row pre-selection (``dp.preselect``,
+``widedp.dp.selection.preselect``, drawn by ``widedp.run.preselect_setup``), each one Gaussian of sensitivity 1 at
+sampling rate 1, recorded in the ledger once before the first step. The vocabulary's threshold adds δ_τ
+(``data.vocab_dp.delta``) that no ledger entry carries, so every ε of such a run is
+``eps_ledger(dp.delta − δ_τ) + ln(1 / (1 − δ_τ))`` at the run's ``dp.delta`` (why that is valid: ``widedp.dp.vocab``).
+Calibration and the budget stop solve for that same figure through the accountant's one solver
+(``widedp.accounting.calibrate``, its ``prefix=``), at the shifted δ and target. Which knob calibration moves is the
+selection's own (``with_privacy`` on its config class); one without it cannot calibrate ``selection_epsilon``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from widedp import accounting
+from widedp.accounting.pld import PLDRangeError
+from widedp.config import Config, DPConfig
+from widedp.dp.selection import make_selector
+from widedp.dp.spend import GaussianSpend, StepSpend
+from widedp.dp.step import dp_step_spend
+from widedp.errors import ConfigError
+
+
+def sampling_rate(dp: DPConfig, batch_size: int, n: int) -> float:
+    """q: ``dp.sampling_rate`` when the config fixes it, else b / n (n: the training units, i.e. the data's size)."""
+    return dp.sampling_rate if dp.sampling_rate is not None else batch_size / n
+
+
+def steps_per_epoch(batch_size: int, n: int, *, rate: float | None = None) -> int:
+    """Poisson steps per epoch: round(n / b), or round(1 / q) for a fixed sampling rate q."""
+    return max(1, round(1 / rate)) if rate is not None else max(1, round(n / batch_size))
+
+
+def total_steps(cfg: Config, n: int) -> int:
+    """Steps of the whole run: epochs x steps per epoch (n/b Poisson steps with DP), capped by train.max_steps."""
+    per_epoch = (steps_per_epoch(cfg.train.batch_size, n, rate=cfg.dp.sampling_rate) if cfg.dp is not None
+                 else -(-n // cfg.train.batch_size))
+    t = cfg.train.epochs * per_epoch
+    return min(t, cfg.train.max_steps) if cfg.train.max_steps else t
+
+
+def step_spend(dp: DPConfig, *, num_rows: int, batch_size: int, n: int) -> StepSpend:
+    """The StepSpend every step of this config emits: ``dp_step_spend`` of the selector ``make_selector`` builds over
+    the model's R = ``num_rows`` rows (the record the step itself emits)."""
+    return dp_step_spend(make_selector(dp.selection, num_rows=num_rows), sampling_rate=sampling_rate(dp, batch_size, n),
+                         noise_multiplier=dp.noise_multiplier, clip1=dp.clip1, clip2=dp.clip2, batch_size=batch_size,
+                         noise=dp.noise)
+
+
+def vocabulary_spend(vocab_dp: Any) -> StepSpend:
+    """The DP vocabulary's ledger entry: one Gaussian of l2 sensitivity 1 and noise multiplier
+    ``vocab_dp.noise_multiplier`` on the whole corpus (sampling rate 1); its threshold's δ is ``Prefix``'s."""
+    return StepSpend(sampling_rate=1.0, parts=(GaussianSpend(noise_multiplier=vocab_dp.noise_multiplier,
+                                                             sensitivity=1.0),))
+
+
+def preselect_runs(dp: DPConfig) -> list[tuple[StepSpend, int]]:
+    """What the pre-selection spends before the first step: ``[(its one Gaussian, 1)]`` with ``dp.preselect``."""
+    if dp.preselect is None:
+        return []
+    from widedp.dp.selection.preselect import preselect_step
+
+    return [(preselect_step(dp.preselect), 1)]
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """entries: steps recorded before the first training step (each once); threshold_delta: δ spent outside the
+    ledger (the vocabulary's threshold); vocabulary: the run draws a DP vocabulary (its entry is ``entries[0]``; the
+    task's build releases it, ``widedp.tasks.Task.build``'s ``noise_seed``)."""
+
+    entries: tuple[StepSpend, ...] = ()
+    threshold_delta: float = 0.0
+    vocabulary: bool = False
+
+    @property
+    def runs(self) -> list[tuple[StepSpend, int]]:
+        return [(p, 1) for p in self.entries]
+
+    @property
+    def epsilon_extra(self) -> float:
+        """ln(1 / (1 - δ_τ)): the remove direction's factor (``widedp.dp.vocab``)."""
+        return -math.log1p(-self.threshold_delta)
+
+    def accounting_delta(self, delta: float) -> float:
+        """The δ the ledger is evaluated at: the run's δ minus the threshold's."""
+        d = delta - self.threshold_delta
+        if not d > 0:
+            raise ConfigError(f"data.vocab_dp.delta: {self.threshold_delta:g} must be below dp.delta ({delta:g})")
+        return d
+
+    def what(self) -> str:
+        """What the prefix holds, in words."""
+        names = ["the DP vocabulary"] if self.vocabulary else []
+        return " and ".join(names + ["the row pre-selection"] * (len(self.entries) > len(names)))
+
+
+def prefix_of(cfg: Config) -> Prefix:
+    """The prefix of ``cfg`` (empty unless it has a dp: section and its data asks for ``vocabulary: dp``, a
+    CBOW's, or it has ``dp.preselect``)."""
+    if cfg.dp is None:
+        return Prefix()
+    pre = tuple(step for step, _ in preselect_runs(cfg.dp))
+    if getattr(cfg.data, "vocabulary", "") != "dp":
+        return Prefix(pre)
+    prefix = Prefix((vocabulary_spend(cfg.data.vocab_dp), *pre), cfg.data.vocab_dp.delta, vocabulary=True)
+    prefix.accounting_delta(cfg.dp.delta)  # refuse a threshold δ >= dp.delta early
+    return prefix
+
+
+def composed_epsilon(prefix: Prefix, dp: DPConfig, runs: list[tuple[StepSpend, int]],
+                     accountant: str | None = None) -> float:
+    """ε of the prefix composed with ``runs`` [(step spend, count)] at the run's δ (inf out of PLD range)."""
+    try:
+        e = accounting.compose_epsilon(prefix.runs + runs, delta=prefix.accounting_delta(dp.delta),
+                                       accountant=accountant or dp.accountant)
+    except PLDRangeError:
+        return math.inf
+    return e + prefix.epsilon_extra
+
+
+def epsilons(dp: DPConfig, ledger: accounting.Ledger, prefix: Prefix | None = None) -> dict[str, Any]:
+    """What a run reports for its ledger (the prefix's entries are in it): ``epsilon`` by the run's accountant,
+    ``epsilon_accountant`` naming it, ``epsilon_rdp`` (the cross-check); 0 for an empty ledger."""
+    prefix = prefix or Prefix()
+    out = accounting.headline_epsilons(ledger, delta=prefix.accounting_delta(dp.delta), accountant=dp.accountant)
+    if ledger.steps and prefix.threshold_delta:
+        out["epsilon"] += prefix.epsilon_extra
+        out["epsilon_rdp"] += prefix.epsilon_extra
+    return out
+
+
+def calibrated(dp: DPConfig, *, steps: int, batch_size: int, num_rows: int, n: int,
+               prefix: Prefix | None = None) -> DPConfig:
+    """``dp`` with σ or the selection's knob solved so that the prefix AND ``steps`` training steps spend
+    ``dp.target_epsilon`` (within 1% below it), when ``dp.calibrate`` asks."""
+    prefix = prefix or Prefix()
+    if dp.calibrate == "none":
+        return dp
+    assert dp.target_epsilon is not None
+    if prefix.entries and composed_epsilon(prefix, dp, []) >= dp.target_epsilon:
+        raise ConfigError(f"dp.target_epsilon: {dp.target_epsilon:g} is infeasible: {prefix.what()} alone spends "
+                          f"{composed_epsilon(prefix, dp, []):.4g}; raise its noise multiplier or the target")
+    kw: dict[str, Any] = {"steps": steps, "delta": prefix.accounting_delta(dp.delta), "accountant": dp.accountant,
+                          "target_epsilon": dp.target_epsilon - prefix.epsilon_extra, "prefix": prefix.runs}
+    at = {"num_rows": num_rows, "batch_size": batch_size, "n": n}
+    if dp.calibrate == "noise_multiplier":
+        sigma = accounting.calibrate_noise_multiplier(
+            lambda s: step_spend(replace(dp, noise_multiplier=s), **at), **kw)
+        return replace(dp, noise_multiplier=sigma)
+    knob = dp.selection.with_privacy  # DPConfig refuses selection_epsilon for a selection without this knob
+    x = accounting.calibrate_selection_epsilon(lambda e: step_spend(replace(dp, selection=knob(e)), **at), **kw)
+    return replace(dp, selection=knob(x))
+
+
+def budget_steps(dp: DPConfig, step: StepSpend, prefix: Prefix | None = None) -> int | None:
+    """The most training steps whose composition with the prefix stays within ``dp.target_epsilon`` (None = no
+    target; 0 when the prefix alone exceeds it)."""
+    if dp.target_epsilon is None:
+        return None
+    prefix = prefix or Prefix()
+    if prefix.entries and composed_epsilon(prefix, dp, []) > dp.target_epsilon:
+        return 0
+    return accounting.max_steps(step, delta=prefix.accounting_delta(dp.delta),
+                                target_epsilon=dp.target_epsilon - prefix.epsilon_extra, accountant=dp.accountant,
+                                prefix=prefix.runs)
+
+
+@dataclass(frozen=True)
+class DPPlan:
+    """A DP run's privacy plan: ``prefix`` (what is spent before the first step), ``dp`` (calibrated), ``spend``
+    (what every step spends), ``cap`` (the most training steps within ``dp.target_epsilon``; None = no target)."""
+
+    prefix: Prefix
+    dp: DPConfig
+    spend: StepSpend
+    cap: int | None
+
+
+def plan(cfg: Config, prefix: Prefix, *, num_rows: int, n: int) -> DPPlan:
+    """The plan of ``cfg`` over ``n`` training samples (or units) and ``num_rows`` selectable rows, after
+    ``prefix``: the same for a run (``widedp.run.engines``) and for ``widedp epsilon`` (``widedp.run.epsilon``)."""
+    assert cfg.dp is not None
+    b = cfg.train.batch_size
+    dp = calibrated(cfg.dp, steps=total_steps(cfg, n), batch_size=b, num_rows=num_rows, n=n, prefix=prefix)
+    spend = step_spend(dp, num_rows=num_rows, batch_size=b, n=n)
+    return DPPlan(prefix, dp, spend, budget_steps(dp, spend, prefix))
