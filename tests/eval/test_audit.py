@@ -264,3 +264,35 @@ def test_sentence_unit(tmp_path, monkeypatch, broken):
     assert rep["epsilon"] <= 1.0 and rep["canary"]["unit"] == "sentence"
     print("sentence", "broken" if broken else "correct", audit_mod.format_line(rep))
     assert (rep["epsilon_lower"] > rep["epsilon"]) == broken, rep["scores"]
+
+
+def test_canaries_have_own_rows_and_the_table_ignores_the_coins():
+    from widedp.data_prep.cbow import CBOWData, Split
+    from widedp.eval.audit_canaries import init_canary_rows, make_canaries, with_canaries
+    from widedp.models.cbow import CBOW
+
+    def split(n: int, units: bool) -> Split:
+        ids = np.arange(n) % 5
+        extra = (ids, np.zeros(n, dtype=np.int64), np.arange(n)) if units else ()
+        return Split(ids, (ids[:, None] + 1) % 5, np.zeros((n, 2), dtype=np.int64), *extra)
+
+    data = CBOWData([f"w{i}" for i in range(5)], np.array([5, 4, 3, 2, 1]), split(8, True), split(2, False),
+                    split(2, False), total_samples=12)
+    cs = make_canaries(data, m=6, unit="sentence", context_width=1, negatives=2,
+                       generator=torch.Generator().manual_seed(0))
+    assert cs.target.tolist()[:4] == [5, 6, 7, 8] and cs.owner.tolist()[:4] == [0, 0, 1, 1]
+    assert (cs.negatives < 5).all()  # negatives are clean words: no canary row is shared
+    for coins in (np.ones(6, bool), np.zeros(6, bool), np.arange(6) % 2 == 0):
+        d = with_canaries(data, cs, coins)
+        assert len(d.vocab) == 17 and len(d.counts) == 17  # V + 2m, whatever the coins
+        assert len(d.train) == 8 + 2 * int(coins.sum()) and len(d.valid) == 2
+        new = d.train.sentence[8:]
+        assert len(set(new.tolist())) == int(coins.sum()) and (new > d.train.sentence[:8].max()).all()
+    model = CBOW(17, 8, tied=False, generator=torch.Generator().manual_seed(0))
+    init_canary_rows(model, cs, scale=4.0, generator=torch.Generator().manual_seed(1))
+    own = cs.own_rows(model)  # [m, 4]: in[a], in[b], out[a], out[b]
+    assert own.shape == (6, 4) and own[0].tolist() == [5, 6, 22, 23]
+    w = torch.cat([model.input.weight, model.output.weight]).detach()
+    rows = w[own[0]]
+    assert torch.allclose(rows.norm(dim=1), torch.tensor([0.4, 0.4, 4.0, 4.0]), atol=1e-5)
+    assert abs(float(rows[2] @ rows[1])) < 1e-5 and abs(float(rows[3] @ rows[0])) < 1e-5  # out[a]·in[b] = 0
