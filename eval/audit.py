@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,10 @@ def run_audit(cfg: Config, out: Path, *, canaries: int, per_step: bool = False, 
     check_config(cfg, m=canaries, confidence=confidence, scale=scale)
     if per_step and cfg.dp is None:
         raise ConfigError("--per-step: a non-private run releases no noisy updates; drop --per-step")
+    if cfg.dp is not None and cfg.dp.sampling_rate is None:
+        print("widedp: warning: audit without dp.sampling_rate: q = b/N and N counts the included canaries, so q "
+              "depends on the coins (the data size is outside ε: see docs/audit.md); set dp.sampling_rate",
+              file=sys.stderr)
     t0 = time.perf_counter()
     coins = draw_coins(canaries, seed=coin_seed)
     task = AuditTask(m=canaries, coins=coins, scale=scale, seed=seed, per_step=per_step)
