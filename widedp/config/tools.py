@@ -17,6 +17,7 @@ import re
 import reprlib
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -91,34 +92,17 @@ _YAML11_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
 def _coerce(key: str, v: Any, tp: Any) -> Any:
+    """``v`` (a YAML value at ``key``) checked against and converted to the annotation ``tp``."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if v is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(key, v, a)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key}: invalid value {show(v)}")
+        return _coerce_union(key, v, typing.get_args(tp))
     if origin is Literal:
         allowed = typing.get_args(tp)
         if v not in allowed:
             raise ConfigError(f"{key}: expected one of {', '.join(map(str, allowed))}, got {show(v)}")
         return v
     if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(v, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {show(v)}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(key, x, args[0]) for x in v)
-        if len(v) != len(args):
-            raise ConfigError(f"{key}: expected {len(args)} values, got {len(v)}")
-        return tuple(_coerce(key, x, a) for x, a in zip(v, args))
+        return _coerce_tuple(key, v, typing.get_args(tp))
     if tp is dict or origin is dict:  # keyword arguments (model.kwargs): names -> plain YAML values
         expect_mapping(key, v)
         for k in v:
@@ -127,34 +111,75 @@ def _coerce(key: str, v: Any, tp: Any) -> Any:
         return dict(v)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a nested section, e.g. data.vocab_dp
         return build(key, tp, v)
-    if tp is bool:
-        if not isinstance(v, bool):
-            raise ConfigError(f"{key}: expected true/false, got {show(v)}")
-        return v
-    if tp is int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            if isinstance(v, float) and v.is_integer():
-                return int(v)
-            raise ConfigError(f"{key}: expected an integer, got {show(v)}")
-        return v
-    if tp is float:
-        if isinstance(v, str) and _YAML11_FLOAT.match(v.strip()):  # PyYAML reads 1e-6 (no dot) as a string
-            v = float(v)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {show(v)}")
-        try:
-            finite = math.isfinite(v)
-        except OverflowError:  # an int too large for a float
-            finite = False
-        if not finite:
-            raise ConfigError(f"{key}: expected a finite number, got {show(v)}")
-        # keep ints as ints where that carries meaning (split sizes); floats otherwise
-        return v
-    if tp is str:
-        if not isinstance(v, str):
-            raise ConfigError(f"{key}: expected a string, got {show(v)}")
-        return v
+    if tp in _SCALARS:
+        return _SCALARS[tp](key, v)
     raise ConfigError(f"{key}: unsupported value {show(v)}")  # pragma: no cover
+
+
+def _coerce_union(key: str, v: Any, args: tuple[Any, ...]) -> Any:
+    """``v`` as the first member of a union that accepts it (None where the union allows it)."""
+    if v is None and type(None) in args:
+        return None
+    errors = []
+    for a in args:
+        if a is type(None):
+            continue
+        try:
+            return _coerce(key, v, a)
+        except ConfigError as e:
+            errors.append(str(e))
+    raise ConfigError(errors[0] if errors else f"{key}: invalid value {show(v)}")
+
+
+def _coerce_tuple(key: str, v: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``v`` (a list) as ``tuple[T, ...]`` or a fixed-length ``tuple[A, B, ...]``."""
+    if not isinstance(v, (list, tuple)):
+        raise ConfigError(f"{key}: expected a list, got {show(v)}")
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_coerce(key, x, args[0]) for x in v)
+    if len(v) != len(args):
+        raise ConfigError(f"{key}: expected {len(args)} values, got {len(v)}")
+    return tuple(_coerce(key, x, a) for x, a in zip(v, args))
+
+
+def _coerce_bool(key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key}: expected true/false, got {show(v)}")
+    return v
+
+
+def _coerce_int(key: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        raise ConfigError(f"{key}: expected an integer, got {show(v)}")
+    return v
+
+
+def _coerce_float(key: str, v: Any) -> float:
+    if isinstance(v, str) and _YAML11_FLOAT.match(v.strip()):  # PyYAML reads 1e-6 (no dot) as a string
+        v = float(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{key}: expected a number, got {show(v)}")
+    try:
+        finite = math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
+        raise ConfigError(f"{key}: expected a finite number, got {show(v)}")
+    # keep ints as ints where that carries meaning (split sizes); floats otherwise
+    return v
+
+
+def _coerce_str(key: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise ConfigError(f"{key}: expected a string, got {show(v)}")
+    return v
+
+
+#: the scalar annotations a config field may have, and their checks
+_SCALARS: dict[Any, Callable[[str, Any], Any]] = {bool: _coerce_bool, int: _coerce_int, float: _coerce_float,
+                                                  str: _coerce_str}
 
 
 def no_unknown(section: str, raw: dict[str, Any], allowed: set[str]) -> None:
