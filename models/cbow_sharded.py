@@ -1,4 +1,4 @@
-"""CBOW with its tables row-sharded across torch.distributed ranks (``widedp.dp.distributed``'s layout).
+"""CBOW with its tables row-sharded across torch.distributed ranks (``widedp.dp.layout.RowBlocks``).
 
 Rank r of W owns block r of the input table and block r of the output table (``RowShard``: contiguous row blocks;
 global rows [0, V) input, [V, 2V) output when untied, one table when tied). Every rank sees the whole Poisson batch;
@@ -11,7 +11,7 @@ its share of the work is the (sample, row) pairs of the rows it owns. One forwar
 
 then each rank forms the per-sample gradients of its own rows exactly as ``CBOW.per_sample_row_grads`` does (s_o h
 for output rows, (1/m) dL/dh for context rows; duplicates summed), so the rows of all ranks together are the
-single-process per-sample gradients (tested), and ``distributed_dp_step`` clips each sample over all its shards.
+single-process per-sample gradients (tested), and ``dp_step`` on ``RowBlocks`` clips each sample over all its shards.
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from widedp.dp.layout import RowShard
 from widedp.dp.rowgrads import PerSampleRows, coalesce
 from widedp.models.cbow import CBOW, CBOWBatch
 
 
-def cbow_shard(model: CBOW, rank: int, world: int):  # -> RowShard (import kept local: no cycle with dp.distributed)
+def cbow_shard(model: CBOW, rank: int, world: int) -> RowShard:
     """The ``RowShard`` of rank ``rank`` of ``world`` for ``model``'s row space (no dense rows)."""
-    from widedp.dp.distributed import RowShard
-
     if model.vocab_size < world:
         raise ValueError(f"a vocabulary of {model.vocab_size} words cannot be sharded over {world} ranks")
     v = model.vocab_size
@@ -37,9 +36,9 @@ def cbow_shard(model: CBOW, rank: int, world: int):  # -> RowShard (import kept 
 
 class ShardedCBOW(nn.Module):
     """This rank's blocks of a ``CBOW`` (copied from ``model``). ``local_tables()`` are adjacent, for
-    ``widedp.dp.optim`` row optimizers over local ids (``widedp.dp.distributed.apply_update``)."""
+    ``widedp.dp.optim`` row optimizers over local ids (``widedp.dp.layout.RowBlocks.local``)."""
 
-    def __init__(self, model: CBOW, shard) -> None:
+    def __init__(self, model: CBOW, shard: RowShard) -> None:
         super().__init__()
         self.shard, self.vocab_size, self.tied, self.dim = shard, model.vocab_size, model.tied, model.dim
         lo, hi = shard.lo, shard.hi
@@ -112,12 +111,6 @@ class ShardedCBOW(nn.Module):
         sample = torch.cat([torch.arange(B, device=h.device).repeat_interleave(ctx.shape[1])[ctx_keep],
                             torch.arange(B, device=h.device).repeat_interleave(L)[out_keep]])
         return loss, coalesce(values, rows, sample, B, self.num_rows)
-
-    def per_sample_rows(self, batch: CBOWBatch) -> tuple[Tensor, PerSampleRows, Tensor]:
-        """As ``ShardedRecsys.per_sample_rows`` (what ``distributed_dp_step`` takes): loss [B], the per-sample
-        gradients of own rows, and the MLP rows' [B, 0, D] (a CBOW has none)."""
-        loss, rows = self.per_sample_row_grads(batch)
-        return loss, rows, rows.values.new_zeros(len(batch), 0, self.dim)
 
 
 def _sign(scores: Tensor) -> Tensor:

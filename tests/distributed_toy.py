@@ -17,7 +17,7 @@ def tiny_recsys() -> tuple[Any, Any, Any]:
 
 def single_and_sharded(data: Any, mcfg: Any, rank: int, world: int) -> tuple[Any, Any]:
     """The single-process model and rank ``rank``'s row-sharded copy of the same initial weights."""
-    from widedp.dp.distributed import ShardedRecsys, shard_of
+    from widedp.models.recsys_sharded import ShardedRecsys, shard_of
     from widedp.tasks.recsys import build_model
 
     single = build_model(data.cardinality, mcfg, seed=0)

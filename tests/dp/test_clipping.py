@@ -75,7 +75,7 @@ def test_sample_norms_are_a_power_of_two_times_a_root():
 
 
 def test_clip_with_the_norms_of_a_split_sample():
-    """The row-sharded clip of widedp.dp.distributed: each part clipped with the whole samples' norms (the larger
+    """The row-block clip of widedp.dp.layout.RowBlocks: each part clipped with the whole samples' norms (the larger
     scale, the sum of sumsq) is the whole clip, part by part; a NaN in one part zeroes the sample in both."""
     gen = torch.Generator().manual_seed(4)
     g = random_batch(gen, batch=9, num_rows=12, dim=3)

@@ -320,8 +320,9 @@ def _distributed_worker(rank: int, port: int) -> None:
     import torch.distributed as dist
     from distributed_toy import single_and_sharded, tiny_recsys
 
-    from widedp.dp.distributed import distributed_dp_step, init_process_group
+    from widedp.dp.layout import RowBlocks
     from widedp.dp.selection import SelectionContext
+    from widedp.run.ranks import init_process_group
 
     init_process_group(rank, 2, port=port, backend="gloo")
     data, split, mcfg = tiny_recsys()
@@ -331,16 +332,17 @@ def _distributed_worker(rank: int, port: int) -> None:
     d2 = clip1 / b
     zs = []
     with torch.inference_mode():
-        _, local, g_dense = sharded.per_sample_rows(split.batch(torch.arange(40)))
+        _, local = sharded.per_sample_row_grads(split.batch(torch.arange(40)))
         for t in range(40):
             def kw(t=t):  # the same fresh generators for both calls
                 return dict(batch_size=b, sampling_rate=0.1, clip1=clip1, clip2=None, selector=selector,
                             ctx=SelectionContext(epoch=0, num_epochs=1), generator=torch.Generator().manual_seed(
-                                10_000 * rank + t), shared_generator=torch.Generator().manual_seed(t))
-            loud = distributed_dp_step(local, g_dense, sharded.shard, noise_multiplier=sigma, noise="secure", **kw())
-            quiet = distributed_dp_step(local, g_dense, sharded.shard, noise_multiplier=1e-9, **kw())
+                                10_000 * rank + t), layout=RowBlocks(sharded.shard,
+                                                                     shared=torch.Generator().manual_seed(t)))
+            loud = dp_step(local, noise_multiplier=sigma, noise="secure", **kw())
+            quiet = dp_step(local, noise_multiplier=1e-9, **kw())
             assert torch.equal(loud.selected, quiet.selected)
-            gamma = grid_step(sensitivity=d2, dim=loud.selected.numel() * g_dense.shape[2])  # one grid, all ranks
+            gamma = grid_step(sensitivity=d2, dim=loud.selected.numel() * local.dim)  # one grid, all ranks
             assert torch.equal(loud.grad.values.double() / gamma, torch.round(loud.grad.values.double() / gamma))
             mlp = loud.grad.values[-A:]
             both = [torch.zeros_like(mlp) for _ in range(2)]
@@ -361,6 +363,6 @@ def test_secure_noise_on_two_processes():
     release broadcast from rank 0, and the single-process spend."""
     import torch.multiprocessing as mp
 
-    from widedp.dp.distributed import free_port
+    from widedp.run.ranks import free_port
 
     mp.spawn(_distributed_worker, args=(free_port(),), nprocs=2, join=True)

@@ -2,7 +2,7 @@
 
 - loss and per-sample gradients: the rows of both ranks together equal ``CBOW.per_sample_row_grads`` (pair and
   padded multi-word contexts, tied and untied tables, repeated negatives);
-- one ``distributed_dp_step`` with every row selected and sigma = 0 equals the single-process ``dp_step`` update
+- one ``dp_step`` on ``RowBlocks`` with every row selected and sigma = 0 equals the single-process update
   (the S1 clip sees each sample's whole gradient across shards).
 """
 
@@ -36,11 +36,12 @@ def _gather_rows(g, num_rows: int) -> torch.Tensor:
 def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     from widedp.config import AllRowsConfig
-    from widedp.dp.distributed import distributed_dp_step, init_process_group
+    from widedp.dp.layout import RowBlocks
     from widedp.dp.selection import SelectionContext, make_selector
     from widedp.dp.step import dp_step
     from widedp.models.cbow import CBOW
     from widedp.models.cbow_sharded import ShardedCBOW, cbow_shard
+    from widedp.run.ranks import init_process_group
 
     init_process_group(rank, WORLD, port=port, backend="gloo")
     torch.set_default_dtype(torch.float64)
@@ -63,9 +64,8 @@ def _worker(rank: int, port: int) -> None:
         kw = dict(batch_size=4.0, sampling_rate=0.5, clip1=0.05, clip2=None, noise_multiplier=0.0,
                   ctx=SelectionContext(epoch=0, num_epochs=1))
         want = dp_step(ref, selector=make_selector(sel, num_rows=model.num_rows), generator=torch.Generator(), **kw)
-        got = distributed_dp_step(mine, torch.zeros(6, 0, 5), shard,
-                                  selector=make_selector(sel, num_rows=shard.num_rows), generator=torch.Generator(),
-                                  shared_generator=torch.Generator(), **kw)
+        got = dp_step(mine, selector=make_selector(sel, num_rows=shard.num_rows), generator=torch.Generator(),
+                      layout=RowBlocks(shard, shared=torch.Generator()), **kw)
         full = torch.zeros(model.num_rows, 5)
         full[got.grad.rows] = got.grad.values
         dist.all_reduce(full)
@@ -77,6 +77,6 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_sharded_cbow_matches_single_process():
-    from widedp.dp.distributed import free_port
+    from widedp.run.ranks import free_port
 
     mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

@@ -1,7 +1,7 @@
 """``widedp train`` on two gloo processes (``widedp.run.ranks``, ``widedp.run.engines.sharded``) against one process.
 
 - selection ``all`` and (almost) no noise: the 2-process run's final weights equal the 1-process run's (1e-6) and
-  so do the ledgers (CBOW through torchrun, recsys through ``--nproc``);
+  so do the ledgers (CBOW through torchrun, CBOW with a negatives pool and recsys through ``--nproc``);
 - the exponential mechanism with noise: the 2-process run's ledger is the 1-process run's and its losses are in
   the same range; that the sharded selection and noise follow the single-process LAW is tested by chi^2 in
   tests/dp/test_distributed.py (exponential mechanism) and tests/dp/selection/test_selection_distributed.py
@@ -41,10 +41,11 @@ EXACT = ["--set", "dp.noise_multiplier=1e-6", "--set", "dp.accountant=rdp", "--s
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _cbow(tmp_path: Path, *, epochs: int = 1, ckpt_every: int = 20, rng_mode: str = "reproducible") -> Path:
+def _cbow(tmp_path: Path, *, epochs: int = 1, ckpt_every: int = 20, rng_mode: str = "reproducible",
+          data: str = "") -> Path:
     cfg = tmp_path / "cbow.yaml"
     cfg.write_text(f"""
-{data_section(tmp_path)}
+{data_section(tmp_path, extra=data)}
 model: {{dim: 8, tied: false}}
 train: {{epochs: {epochs + 1}, max_steps: {100 * epochs}, batch_size: 10, optimizer: lazy_adam, lr: 0.01,
         log_every: 25, checkpoint_every: {ckpt_every}, eval_max_samples: 50, seed: 3}}
@@ -109,9 +110,10 @@ def _same_ledgers(a: Path, b: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["cbow", "recsys"])
+@pytest.mark.parametrize("task", ["cbow", "cbow_pool", "recsys"])
 def test_two_processes_equal_one_without_noise(tmp_path, task):
-    cfg = _cbow(tmp_path) if task == "cbow" else _recsys(tmp_path)
+    cfg = (_recsys(tmp_path) if task == "recsys"
+           else _cbow(tmp_path, data=", negatives_pool: 6" if task == "cbow_pool" else ""))
     one, two = tmp_path / "one", tmp_path / "two"
     _one(cfg, one, *EXACT)
     if task == "cbow":  # torchrun itself

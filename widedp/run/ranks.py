@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,22 @@ def init(device_name: str) -> None:
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     else:
         dist.init_process_group("gloo")
+
+
+def init_process_group(rank: int, world_size: int, *, port: int, backend: str | None = None) -> None:
+    """Join a group of ``world_size`` processes as ``rank`` outside a launcher (tests, ``torch.multiprocessing``):
+    gloo on CPU, NCCL when CUDA is available (unless ``backend``), rendezvous on 127.0.0.1:``port``."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for ``init_process_group``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def close() -> None:

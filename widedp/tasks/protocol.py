@@ -89,8 +89,8 @@ class Task(Protocol):
 
     def shard(self, model: Any, rank: int, world: int) -> Any:
         """Rank ``rank`` of ``world``'s row blocks of ``model`` (training on several processes,
-        ``widedp.run.engines.sharded``): ``shard`` (a ``widedp.dp.distributed.RowShard``), ``local_tables()``,
-        ``per_sample_rows(batch) -> (loss [B], own rows, MLP grads [B, A, D])``, a collective forward; or a
+        ``widedp.run.engines.sharded``): ``shard`` (a ``widedp.dp.layout.RowShard``), ``local_tables()``,
+        ``per_sample_row_grads(batch) -> (loss [B], own rows then the replicated ones)``, a collective forward; or a
         ConfigError."""
 
     def warn(self, cfg: Any) -> None:

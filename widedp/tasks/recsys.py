@@ -165,7 +165,7 @@ class RecsysTask(LoopTask):
 
     def shard(self, model: RecsysModel, rank: int, world: int) -> Any:
         """``ShardedRecsys``: rank ``rank`` of ``world``'s row block of every table, the MLP rows replicated."""
-        from widedp.dp.distributed import ShardedRecsys, shard_of
+        from widedp.models.recsys_sharded import ShardedRecsys, shard_of
 
         try:
             return ShardedRecsys(model, shard_of(model, rank, world))

@@ -15,9 +15,10 @@ def _worker(rank: int, port: int) -> None:
     from distributed_toy import single_and_sharded, tiny_recsys
 
     from widedp.config import GaussianThresholdSelectionConfig, SparseVectorSelectionConfig
-    from widedp.dp.distributed import distributed_dp_step, init_process_group
+    from widedp.dp.layout import RowBlocks
     from widedp.dp.selection import SelectionContext, make_selector
     from widedp.dp.step import dp_step
+    from widedp.run.ranks import init_process_group
 
     init_process_group(rank, WORLD, port=port, backend="gloo")
     ctx = SelectionContext(epoch=0, num_epochs=1)
@@ -35,10 +36,9 @@ def _worker(rank: int, port: int) -> None:
             with torch.inference_mode():
                 _, g = single.per_sample_row_grads(batch)
                 res_s = dp_step(g, generator=torch.Generator().manual_seed(10 + t), **kw)
-                _, local, g_dense = sharded.per_sample_rows(batch)
-                res_d = distributed_dp_step(local, g_dense, sharded.shard,
-                                            generator=torch.Generator().manual_seed(100 + rank),
-                                            shared_generator=torch.Generator().manual_seed(10 + t), **kw)
+                _, local = sharded.per_sample_row_grads(batch)
+                res_d = dp_step(local, generator=torch.Generator().manual_seed(100 + rank),
+                                layout=RowBlocks(sharded.shard, shared=torch.Generator().manual_seed(10 + t)), **kw)
             assert torch.equal(res_d.selected, res_s.selected), sel_cfg.name
             assert res_d.spend == res_s.spend
             picked += res_s.selected.numel() - single.num_dense_rows
@@ -49,6 +49,6 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_count_and_contribution_scores_across_shards():
-    from widedp.dp.distributed import free_port
+    from widedp.run.ranks import free_port
 
     mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

@@ -1,8 +1,9 @@
 """widedp's DP engine on several processes (``widedp.run.ranks``): embedding tables row-sharded across the ranks.
 
 The task's model is cut into row blocks (``Task.shard``: CBOW -> ``ShardedCBOW``, recsys -> ``ShardedRecsys``);
-each step is ``widedp.dp.distributed.distributed_dp_step`` then ``apply_update`` (that module's docstring says how
-the work is shared). What makes it the single-process run's DP step:
+each step is ``SparseDPEngine``'s: ``widedp.dp.step.dp_step`` on the layout ``widedp.dp.layout.RowBlocks`` (that
+module's docstring says how the work is shared), the update in each rank's own row space. What makes it the
+single-process run's DP step:
 
 - ONE Poisson batch: every rank draws it from the same sampling seed (the same q, the same expected size b); each
   rank's share of the work is the (sample, row) pairs of the rows it owns, and each sample's norm is summed over
@@ -18,8 +19,9 @@ the shared one from another; every rank saves its generators' states in RUN/priv
 (``rng-STEP-rankR.pt``) and its shard in RUN/shards/ (``widedp.run.shards``).
 
 Refused (one-line errors naming the key): ``dp.engine: opacus``, privacy units other than one sample
-(``data.privacy_unit``), ``data.vocabulary: dp``, ``dp.preselect``, ``train.keep_best``, tasks without a sharded
-model (``module``), and a run without a ``dp:`` section (``widedp.run.engines.make_engine``).
+(``data.privacy_unit``), ``data.vocabulary: dp``, ``train.keep_best``, tasks without a sharded model (``module``),
+a run without a ``dp:`` section (``widedp.run.engines.make_engine``), and the step's options the row-block layout
+refuses (``RowBlocks.refuses``: ``dp.preselect``; ``widedp.dp.layout.check_options``, called by ``setup``).
 """
 
 from __future__ import annotations
@@ -32,12 +34,10 @@ import torch.distributed as dist
 
 from widedp.config import Config
 from widedp.dp import rng, units
-from widedp.dp.distributed import apply_update, distributed_dp_step
+from widedp.dp.layout import RowBlocks
 from widedp.dp.optim import make_row_optimizer
-from widedp.dp.selection import SelectionContext
 from widedp.errors import ConfigError
 from widedp.run import ranks, shards
-from widedp.run.engines.base import Drawn, StepOutput
 from widedp.run.engines.sparse import SparseDPEngine
 from widedp.tasks.protocol import Built, Task
 
@@ -57,10 +57,6 @@ def check_shardable(cfg: Config) -> None:
                           "(one sample per unit only: pair, interaction)")
     if getattr(cfg.data, "vocabulary", None) == "dp":
         raise ConfigError("data.vocabulary: dp is not available on several processes; use file:PATH or top")
-    if dp.preselect is not None:
-        raise ConfigError("dp.preselect: not available on several processes")
-    if getattr(cfg.data, "negatives_pool", 0):
-        raise ConfigError("data.negatives_pool: not available on several processes")
     if cfg.train.keep_best:
         raise ConfigError("train.keep_best: not available on several processes")
 
@@ -95,9 +91,10 @@ class ShardedDPEngine(SparseDPEngine):
 
     def setup(self, built: Built, task: Task) -> None:
         self.sharded = task.shard(built.model, self.rank, self.world)
-        super().setup(built, task)
-        self._stats = torch.zeros(2, device=self.device)  # rows selected, non-finite samples
         self.shared_gen = torch.Generator(device=self.device)
+        self.row_layout = RowBlocks(self.sharded.shard, shared=self.shared_gen)
+        super().setup(built, task)
+        self.grad_model = self.sharded  # this rank's rows
         self._seed_rank_generators()
 
     def _reseed(self) -> None:
@@ -112,23 +109,8 @@ class ShardedDPEngine(SparseDPEngine):
         tc = self.cfg.train
         return make_row_optimizer(tc.optimizer, self.sharded.local_tables(), lr=tc.lr, betas=tc.betas, eps=tc.eps)
 
-    def step(self, drawn: Drawn, epoch: int) -> StepOutput:
-        dp, b = self.dp, self.cfg.train.batch_size
-        with torch.inference_mode():
-            loss, local, g_dense = self.sharded.per_sample_rows(drawn.batch)
-            res = distributed_dp_step(local, g_dense, self.sharded.shard, batch_size=b,
-                                      sampling_rate=self.sampling_rate, clip1=dp.clip1, clip2=dp.clip2,
-                                      noise_multiplier=dp.noise_multiplier, selector=self.selector,
-                                      ctx=SelectionContext(epoch=epoch, num_epochs=self.cfg.train.epochs),
-                                      generator=self.noise_gen, shared_generator=self.shared_gen, noise=dp.noise)
-            apply_update(self.sharded, self.optimizer, res.grad)
-            self._stats += torch.stack([self._stats.new_tensor(float(res.selected.numel())),
-                                        res.nonfinite.to(self._stats.dtype)])
-        self.ledger.add(res.spend)
-        return StepOutput(torch.where(torch.isfinite(loss), loss, 0.0).sum())
-
     def interval_stats(self, steps: int, step: int) -> dict[str, Any]:
-        rows, nonfinite = self._stats.tolist()
+        rows, *_, nonfinite = self._stats.tolist()  # (touched_share is this rank's part: not logged)
         self._stats.zero_()
         return {"rows_selected": rows / steps, **self._nonfinite_stats(int(nonfinite), step)}
 

@@ -1,7 +1,8 @@
 """widedp's DP engine (``dp.engine: widedp``): ``dp_step`` on Poisson batches of samples or privacy units.
 
 Each step: the model's per-sample row gradients (``per_sample_row_grads``; summed per unit when a unit groups
-samples, ``widedp.dp.units``), ``dp_step`` (clip, select rows privately, clip, noise: paper Alg. 3), the task's row
+samples, ``widedp.dp.units``), ``dp_step`` (clip, select rows privately, clip, noise: paper Alg. 3) on the engine's
+row layout (``self.row_layout``: ``SingleProcess()`` here, row blocks in ``widedp.run.engines.sharded``), the row
 optimizer on the noisy selected rows, and the step's spend into the ledger. Sampling (``PoissonSampler``) is a pure
 function of the secret seed and the step, and the noise generator's state is saved at every checkpoint, so a
 resumed run replays the lost steps bit for bit.
@@ -17,6 +18,7 @@ import torch
 from widedp.accounting.statement import for_config
 from widedp.config import Config
 from widedp.dp import rng, units
+from widedp.dp.layout import RowLayout, SingleProcess, check_options
 from widedp.dp.sampling import PoissonSampler
 from widedp.dp.selection import SelectionContext, make_selector
 from widedp.dp.step import dp_step
@@ -40,9 +42,14 @@ class SparseDPEngine(PrivateEngine):
                               f"(expected one of {', '.join(OPTIMIZERS)})")
         super().__init__(cfg, out, device=device, resumed=resumed)
 
+    #: where the step's rows live (``widedp.dp.layout``); ``grad_model`` gives this process's per-sample rows
+    row_layout: RowLayout = SingleProcess()
+
     def setup(self, built: Built, task: Task) -> None:
         cfg = self.cfg
-        self.module = self._model = built.model
+        check_options(self.row_layout, {"dp.preselect": cfg.dp is not None and cfg.dp.preselect is not None,
+                                        "data.negatives_pool": bool(getattr(cfg.data, "negatives_pool", 0))})
+        self.module = self._model = self.grad_model = built.model
         self.facts = for_config(task.privacy(cfg), cfg)
         self._split = built.splits["train"]
         n = len(self._split)
@@ -99,15 +106,16 @@ class SparseDPEngine(PrivateEngine):
     def step(self, drawn: Drawn, epoch: int) -> StepOutput:
         dp, b = self.dp, self.cfg.train.batch_size
         with torch.inference_mode():
-            loss, grads = self.module.per_sample_row_grads(drawn.batch)
+            loss, grads = self.grad_model.per_sample_row_grads(drawn.batch)
             if drawn.units is not None:  # one "sample" of the DP step = one unit's summed gradient
                 grads = units.group_rows(grads, drawn.units.segment, num_units=drawn.units.num_units)
             grads = preselect_setup.restrict_grads(grads, self.pre)  # dp.preselect: the kept rows only
             res = dp_step(grads, batch_size=b, sampling_rate=self.sampling_rate, clip1=dp.clip1, clip2=dp.clip2,
                           noise_multiplier=dp.noise_multiplier, selector=self.selector,
                           ctx=SelectionContext(epoch=epoch, num_epochs=self.cfg.train.epochs),
-                          generator=self.noise_gen, public_rows=drawn.public_rows, noise=dp.noise)
-            self.optimizer.step(res.grad)
+                          generator=self.noise_gen, public_rows=drawn.public_rows, noise=dp.noise,
+                          layout=self.row_layout)
+            self.optimizer.step(self.row_layout.local(res.grad))
             st = res.stats
             self._stats += torch.stack([st.touched_share.new_tensor(float(st.rows_selected)), st.touched_share,
                                         st.clipped1, st.clipped2.to(st.clipped1.dtype),
