@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -153,86 +154,106 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.cmd == "train":
-        from widedp.config import load_config
-        from widedp.run import ranks
-        from widedp.run.train import default_out, train, train_rank
-        from widedp.tasks import get_task
+    """Run the subcommand ``args.cmd`` (``COMMANDS``); its exit status."""
+    command = COMMANDS.get(args.cmd)
+    if command is None:  # pragma: no cover
+        raise AssertionError(args.cmd)
+    return command(args)
 
-        if args.resume:
-            if args.config is not None or args.overrides or args.overwrite:
-                raise ConfigError("--resume: give only the run directory (its config.yaml is used)")
-            run_dir = Path(args.resume)
-            cfg = _run_config(run_dir)
-        else:
-            if args.config is None:
-                raise ConfigError("train: a CONFIG file (or --resume DIR) is required")
-            cfg = load_config(args.config, args.overrides)
-            run_dir = Path(args.out) if args.out else default_out(args.config)
-        progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
-        if args.nproc is not None and args.nproc != 1:
-            from widedp.run.launch import launch
 
-            return launch(args.nproc, _train_argv(args))
-        if ranks.env_world() > 1:  # one rank of torchrun's (or --nproc's) processes
-            ranks.init(cfg.train.device)
-            try:
-                summary = train_rank(cfg, run_dir, resume=bool(args.resume), progress=progress,
-                                     overwrite=args.overwrite)
-            finally:
-                ranks.close()
-            if not ranks.reports_errors():
-                return 0  # rank 0 reports
-        else:
-            summary = train(cfg, run_dir, resume=bool(args.resume), progress=progress, overwrite=args.overwrite)
-        keys = ("train_loss", "valid_loss", "test_loss", "steps", "samples_per_s") + get_task(cfg.task).summary_keys
-        print(json.dumps({k: summary.get(k) for k in keys} | {"run_dir": str(run_dir)}
-                         | ({"epsilon": summary["dp"]["epsilon"]} if summary.get("dp") else {})
-                         | {"privacy": summary["privacy"]["text"], "notice": LOSSES_NOTICE}, ensure_ascii=False))
-        _say_privacy(summary["privacy"])
-        return 0
-    if args.cmd == "epsilon":
-        from widedp.config import load_config
-        from widedp.run.epsilon import epsilon_report
+def _progress(args: argparse.Namespace) -> bool:
+    """Whether to draw a progress bar: not asked off, on a terminal, not under CI."""
+    return not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
 
-        rep = epsilon_report(load_config(args.config, args.overrides))
-        print(json.dumps(rep, indent=2, ensure_ascii=False))
-        return 0
-    if args.cmd == "export":
-        from widedp.run.export import export_release
 
-        run_dir = Path(args.run_dir)
-        out = Path(args.out) if args.out else run_dir / "release"
-        privacy = export_release(run_dir, out, fmt=args.format)
-        print(out)
-        _say_privacy(privacy)
-        return 0
-    if args.cmd == "canary":
-        return _canary(args)
-    if args.cmd == "audit":
-        from widedp.config import load_config
-        from widedp.eval.audit import format_line, run_audit
+def _train(args: argparse.Namespace) -> int:
+    """``widedp train``: one process, ``--nproc`` launched ranks, or one rank of them; prints the summary line."""
+    from widedp.config import load_config
+    from widedp.run import ranks
+    from widedp.run.train import default_out, train, train_rank
+    from widedp.tasks import get_task
 
-        progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
-        report = run_audit(load_config(args.config, args.overrides), Path(args.out), canaries=args.canaries,
-                           per_step=args.per_step, confidence=args.confidence, scale=args.canary_scale,
-                           seed=args.seed, coin_seed=args.coin_seed, overwrite=args.overwrite, progress=progress,
-                           plot=not args.no_plot)
-        print(json.dumps({k: report[k] for k in ("epsilon_lower", "epsilon", "ratio", "m", "guesses", "correct",
-                                                 "confidence", "primary", "epsilon_cap")}, ensure_ascii=False))
-        print(format_line(report), file=sys.stderr)
-        return 0
-    if args.cmd == "compare":
-        from widedp.run.compare import compare
-        from widedp.run.train import default_out
+    if args.resume:
+        if args.config is not None or args.overrides or args.overwrite:
+            raise ConfigError("--resume: give only the run directory (its config.yaml is used)")
+        run_dir = Path(args.resume)
+        cfg = _run_config(run_dir)
+    else:
+        if args.config is None:
+            raise ConfigError("train: a CONFIG file (or --resume DIR) is required")
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(args.out) if args.out else default_out(args.config)
+    progress = _progress(args)
+    if args.nproc is not None and args.nproc != 1:
+        from widedp.run.launch import launch
 
-        out = Path(args.out) if args.out else default_out(args.sweep)
-        progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
-        compare(args.sweep, out, overrides=args.overrides, progress=progress, overwrite=args.overwrite,
-                keep_going=args.keep_going)
-        print((out / "results.md").read_text(), end="")
-        return 0
-    raise AssertionError(args.cmd)  # pragma: no cover
+        return launch(args.nproc, _train_argv(args))
+    if ranks.env_world() > 1:  # one rank of torchrun's (or --nproc's) processes
+        ranks.init(cfg.train.device)
+        try:
+            summary = train_rank(cfg, run_dir, resume=bool(args.resume), progress=progress,
+                                 overwrite=args.overwrite)
+        finally:
+            ranks.close()
+        if not ranks.reports_errors():
+            return 0  # rank 0 reports
+    else:
+        summary = train(cfg, run_dir, resume=bool(args.resume), progress=progress, overwrite=args.overwrite)
+    keys = ("train_loss", "valid_loss", "test_loss", "steps", "samples_per_s") + get_task(cfg.task).summary_keys
+    print(json.dumps({k: summary.get(k) for k in keys} | {"run_dir": str(run_dir)}
+                     | ({"epsilon": summary["dp"]["epsilon"]} if summary.get("dp") else {})
+                     | {"privacy": summary["privacy"]["text"], "notice": LOSSES_NOTICE}, ensure_ascii=False))
+    _say_privacy(summary["privacy"])
+    return 0
+
+
+def _epsilon(args: argparse.Namespace) -> int:
+    """``widedp epsilon``: the config's privacy report, as JSON."""
+    from widedp.config import load_config
+    from widedp.run.epsilon import epsilon_report
+
+    rep = epsilon_report(load_config(args.config, args.overrides))
+    print(json.dumps(rep, indent=2, ensure_ascii=False))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    """``widedp export``: write a run's release; prints its folder."""
+    from widedp.run.export import export_release
+
+    run_dir = Path(args.run_dir)
+    out = Path(args.out) if args.out else run_dir / "release"
+    privacy = export_release(run_dir, out, fmt=args.format)
+    print(out)
+    _say_privacy(privacy)
+    return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    """``widedp audit``: the one-run privacy audit; its figures as JSON, its line on stderr."""
+    from widedp.config import load_config
+    from widedp.eval.audit import format_line, run_audit
+
+    report = run_audit(load_config(args.config, args.overrides), Path(args.out), canaries=args.canaries,
+                       per_step=args.per_step, confidence=args.confidence, scale=args.canary_scale,
+                       seed=args.seed, coin_seed=args.coin_seed, overwrite=args.overwrite, progress=_progress(args),
+                       plot=not args.no_plot)
+    print(json.dumps({k: report[k] for k in ("epsilon_lower", "epsilon", "ratio", "m", "guesses", "correct",
+                                             "confidence", "primary", "epsilon_cap")}, ensure_ascii=False))
+    print(format_line(report), file=sys.stderr)
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """``widedp compare``: train a sweep; prints its results table."""
+    from widedp.run.compare import compare
+    from widedp.run.train import default_out
+
+    out = Path(args.out) if args.out else default_out(args.sweep)
+    compare(args.sweep, out, overrides=args.overrides, progress=_progress(args), overwrite=args.overwrite,
+            keep_going=args.keep_going)
+    print((out / "results.md").read_text(), end="")
+    return 0
 
 
 def _train_argv(args: argparse.Namespace) -> list[str]:
@@ -289,7 +310,7 @@ def _canary(args: argparse.Namespace) -> int:
                 raise ConfigError(f"{p}: canary needs task cbow (it inserts word sequences into the corpus), got "
                                   f"task {cfg.task}")
             cr.check_vocab(cfg.data.vocab_size)
-        progress = not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
+        progress = _progress(args)
         dirs = []
         for label, cfg in cfgs:
             for nc in args.nc:
@@ -306,6 +327,12 @@ def _canary(args: argparse.Namespace) -> int:
     print(cr.format_table(report))
     print(f"widedp canary: wrote {out / cr.REPORT_FILE}" + ("" if args.no_plot else f" and {out / cr.PLOT_FILE}"))
     return 0
+
+
+#: the subcommands: name -> the function that runs it (its exit status)
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": _train, "epsilon": _epsilon, "export": _export, "canary": _canary, "audit": _audit, "compare": _compare,
+}
 
 
 if __name__ == "__main__":
