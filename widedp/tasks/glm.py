@@ -161,27 +161,15 @@ def train_glm(cfg: Config, out: Path, *, resume: bool = False, progress: bool = 
     a: GLMAlgorithmConfig = cfg.algorithm
     if resume and (out / "summary.json").is_file():
         return read_json(out / "summary.json")
-    private_algo = a.name != "nonprivate"
-    if private_algo:  # secret seeds (rng: secure) live in out/private/ only
-        seeds, replayable = rng.run_seeds(out, mode=a.rng, seed=cfg.train.seed, resume=resume)
-        if resume and not replayable and (out / "metrics.jsonl").is_file():
-            raise ConfigError(f"{out}: cannot resume: the earlier attempt's seeds ({out / rng.PRIVATE_DIR}) are "
-                              "gone, and a fresh attempt would compose with what it already wrote; train into a new "
-                              "directory")
-        gen = rng.generator(seeds.noise)
-        private_rng = seeds.private
-    else:
-        gen, private_rng = torch.Generator().manual_seed(cfg.train.seed), True  # no randomness is used
+    gen, private_rng = _generator(cfg, out, resume=resume)
     t_setup = time.perf_counter()
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if cfg.train.device not in ("auto", "cpu"):
         raise ConfigError(f"train.device: task glm runs on the CPU, got {cfg.train.device!r}")
     data = prepare_glm(cfg.data)
-    dtype = torch.float64 if cfg.model.dtype == "float64" else torch.float32
     k = len(data.classes)
-    splits = {name: to_rows(getattr(data, name), num_features=data.num_features, num_classes=k, dtype=dtype)
-              for name in ("train", "valid", "test")}
+    splits = _splits(cfg, data)
     train = splits["train"]
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -214,28 +202,62 @@ def train_glm(cfg: Config, out: Path, *, resume: bool = False, progress: bool = 
     summary: dict[str, Any] = {
         "task": "glm", "algorithm": a.name, **final, "iterations": result.iterations, "steps": result.iterations,
         "n_train": len(train), "num_features": data.num_features, "num_classes": k, "wall_s": wall,
-        "setup_s": setup_s, "samples_per_s": None, "config_hash": cfg.hash(), "private": private_algo and private_rng,
-        "info": _jsonable(result.info), "initial_valid_loss": math.log(k), "notice": DIAGNOSTICS_NOTICE,
+        "setup_s": setup_s, "samples_per_s": None, "config_hash": cfg.hash(),
+        "private": a.name != "nonprivate" and private_rng, "info": _jsonable(result.info),
+        "initial_valid_loss": math.log(k), "notice": DIAGNOSTICS_NOTICE,
     }
-    eps = None
-    if private_algo:
-        summary["dp"] = {"delta": a.delta, "target_epsilon": a.epsilon, "selection": a.name, "engine": "glm",
-                         "rng": a.rng, "noise_multiplier": result.info.get("noise_multiplier"),
-                         "ledger": result.ledger.to_json()}
-        if a.name == "dp_agd":  # adaptive budgets: the zCDP filter's budget is the guarantee (widedp.convex.dp_agd)
-            eps = common.zcdp_epsilon(result.info["rho"], a.delta)
-            summary["dp"].update({"accountant": "zcdp", "epsilon_rdp": None, "rho": result.info["rho"],
-                                  "rho_spent": result.info["rho_spent"], "epsilon_zcdp": eps})
-        else:
-            eps = common.ledger_epsilon(result.ledger, delta=a.delta, accountant=a.accountant)
-            summary["dp"].update({"accountant": a.accountant, "epsilon_rdp": common.ledger_epsilon(
-                result.ledger, delta=a.delta, accountant="rdp")})
-        summary["epsilon"] = summary["dp"]["epsilon"] = eps
+    eps = _add_dp(summary, a, result) if a.name != "nonprivate" else None
     st = privacy_statement(cfg, eps, private_rng=private_rng)
     summary["privacy"] = st.to_json()
     metrics.write(json.dumps({"kind": "end", **{k_: v for k_, v in summary.items() if k_ != "dp"},
                               "epsilon": summary.get("epsilon")}) + "\n")
     metrics.close()
+    _write_results(cfg, out, result, history, summary, st=st, eps=eps, private_rng=private_rng)
+    return summary
+
+
+def _generator(cfg: Config, out: Path, *, resume: bool) -> tuple[torch.Generator, bool]:
+    """The algorithm's generator and whether its seeds are private; a private algorithm's secret seeds
+    (rng: secure) live in out/private/ only."""
+    a: GLMAlgorithmConfig = cfg.algorithm
+    if a.name == "nonprivate":
+        return torch.Generator().manual_seed(cfg.train.seed), True  # no randomness is used
+    seeds, replayable = rng.run_seeds(out, mode=a.rng, seed=cfg.train.seed, resume=resume)
+    if resume and not replayable and (out / "metrics.jsonl").is_file():
+        raise ConfigError(f"{out}: cannot resume: the earlier attempt's seeds ({out / rng.PRIVATE_DIR}) are "
+                          "gone, and a fresh attempt would compose with what it already wrote; train into a new "
+                          "directory")
+    return rng.generator(seeds.noise), seeds.private
+
+
+def _splits(cfg: Config, data: Any) -> dict[str, glm.LabeledCSR]:
+    """The train, valid and test splits of the prepared data as GLM rows of ``model.dtype``."""
+    dtype = torch.float64 if cfg.model.dtype == "float64" else torch.float32
+    return {name: to_rows(getattr(data, name), num_features=data.num_features, num_classes=len(data.classes),
+                          dtype=dtype) for name in ("train", "valid", "test")}
+
+
+def _add_dp(summary: dict[str, Any], a: GLMAlgorithmConfig, result: common.ConvexResult) -> float:
+    """Add the private algorithm's ``dp`` section and ``epsilon`` to ``summary``; returns that epsilon."""
+    summary["dp"] = {"delta": a.delta, "target_epsilon": a.epsilon, "selection": a.name, "engine": "glm",
+                     "rng": a.rng, "noise_multiplier": result.info.get("noise_multiplier"),
+                     "ledger": result.ledger.to_json()}
+    if a.name == "dp_agd":  # adaptive budgets: the zCDP filter's budget is the guarantee (widedp.convex.dp_agd)
+        eps = common.zcdp_epsilon(result.info["rho"], a.delta)
+        summary["dp"].update({"accountant": "zcdp", "epsilon_rdp": None, "rho": result.info["rho"],
+                              "rho_spent": result.info["rho_spent"], "epsilon_zcdp": eps})
+    else:
+        eps = common.ledger_epsilon(result.ledger, delta=a.delta, accountant=a.accountant)
+        summary["dp"].update({"accountant": a.accountant, "epsilon_rdp": common.ledger_epsilon(
+            result.ledger, delta=a.delta, accountant="rdp")})
+    summary["epsilon"] = summary["dp"]["epsilon"] = eps
+    return eps
+
+
+def _write_results(cfg: Config, out: Path, result: common.ConvexResult, history: list[dict[str, Any]],
+                   summary: dict[str, Any], *, st: PrivacyStatement, eps: float | None, private_rng: bool) -> None:
+    """checkpoint.pt, summary.json, loss.png and accuracy.png of a finished run."""
+    a: GLMAlgorithmConfig = cfg.algorithm
     save_checkpoint(out, {"w": result.w, "history": history, "config_hash": cfg.hash(), "step": result.iterations})
     write_json(out / "summary.json", summary)
     title = a.name if eps is None else f"{a.name}, ε={eps:.3g}, δ={a.delta:g} [{st.accountant}]"
@@ -244,7 +266,6 @@ def train_glm(cfg: Config, out: Path, *, resume: bool = False, progress: bool = 
     plot_losses([{"epoch": h["epoch"], "train_loss": h.get("train_loss"), "test_loss": h.get("test_loss")}
                  for h in history], out / "loss.png", title=title)
     _plot_accuracy(history, out / "accuracy.png", title=title)
-    return summary
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
