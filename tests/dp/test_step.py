@@ -199,9 +199,9 @@ def test_sparse_vector_selecting_nothing():
 
 
 def test_gaussian_threshold_step_spends_the_folded_record():
-    """The step's spend names both Gaussians (the accountant folds them) and equals budget.step_spend's record."""
+    """The step's spend names both Gaussians (the accountant folds them) and equals plan.step_spend's record."""
     from widedp.config import DPConfig
-    from widedp.run.budget import step_spend
+    from widedp.run.plan import step_spend
 
     gen = torch.Generator().manual_seed(6)
     g = random_batch(gen, batch=10, num_rows=40, dim=3)

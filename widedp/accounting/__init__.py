@@ -5,9 +5,14 @@ Each DP step emits ``StepSpend(sampling_rate=q, parts=(GaussianSpend(sigma), <se
 the same Poisson batch, so they are composed inside the step and amplified by sampling ONCE (privacy.md §3);
 adjacency is add/remove and the max over the two directions is reported.
 
+Accountants are small classes (``widedp.accounting.base.Accountant``) behind one registry
+(``widedp.accounting.registry.ACCOUNTANTS``, name -> instance; a new one is its file and one line there):
+
 - ``pld`` (``widedp.accounting.pld``): dominating pair per step, pessimistic discretisation, FFT composition.
 - ``rdp`` (``widedp.accounting.rdp``): RDP curves, Zhu-Wang subsampling (exact sampled Gaussian when the selection
   is free), Balle et al. conversion.
+- ``opacus_prv`` (``widedp.accounting.opacus_prv``): Opacus' PRV accountant, an adapter for the DP-SGD baseline
+  (sampled Gaussian steps only; not a headline: it cannot drive a run of widedp's own step).
 - ``dp.noise: secure`` steps record ``DiscreteGaussianSpend`` (discrete Gaussian on a grid): RDP only (its curve,
   at σ/(1 + grid_slack), with the general subsampling bound); the PLD accountant refuses them (``parts``).
 
@@ -30,40 +35,26 @@ Public API::
     paper_selection_epsilon(total_epsilon, *, delta, sampling_rate, steps, picks) -> float
 """
 
-from widedp.accounting.accountant import (
-    ACCOUNTANTS,
-    PAPER_REFUSED,
-    Accountant,
-    compose_epsilon,
-    epsilon,
-    epsilon_for_step,
-    headline_epsilons,
-    noise_part,
-    report,
-    selection_part,
-)
-from widedp.accounting.calibrate import calibrate_noise_multiplier, calibrate_selection_epsilon, max_steps
-from widedp.accounting.ledger import Ledger, step_from_json, step_to_json
-from widedp.accounting.paper import REFERENCE_KEY, paper_selection_epsilon, paper_theorem3_reference
+import importlib
+from typing import Any
 
-__all__ = [
-    "ACCOUNTANTS",
-    "Accountant",
-    "Ledger",
-    "PAPER_REFUSED",
-    "REFERENCE_KEY",
-    "calibrate_noise_multiplier",
-    "calibrate_selection_epsilon",
-    "compose_epsilon",
-    "epsilon",
-    "epsilon_for_step",
-    "headline_epsilons",
-    "max_steps",
-    "noise_part",
-    "paper_selection_epsilon",
-    "paper_theorem3_reference",
-    "report",
-    "selection_part",
-    "step_from_json",
-    "step_to_json",
-]
+#: public name -> the module that defines it (imported on first use, so that importing a submodule never runs the
+#: others: no import cycle through this package)
+_HOME = {
+    **dict.fromkeys(("PAPER_REFUSED", "compose_epsilon", "epsilon", "epsilon_for_step", "headline_epsilons",
+                     "noise_part", "report", "selection_part"), "widedp.accounting.accountant"),
+    **dict.fromkeys(("calibrate_noise_multiplier", "calibrate_selection_epsilon", "max_steps"),
+                    "widedp.accounting.calibrate"),
+    **dict.fromkeys(("Ledger", "step_from_json", "step_to_json"), "widedp.accounting.ledger"),
+    **dict.fromkeys(("REFERENCE_KEY", "paper_selection_epsilon", "paper_theorem3_reference"),
+                    "widedp.accounting.paper"),
+    "Accountant": "widedp.accounting.base",
+    "ACCOUNTANTS": "widedp.accounting.registry",
+}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'widedp.accounting' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOME[name]), name)

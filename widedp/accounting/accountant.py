@@ -1,44 +1,49 @@
-"""Front door: eps of a ledger / of T equal steps under the pld (headline) or rdp (cross-check) accountant, and the
-JSON ``report`` that ``widedp epsilon`` prints. The paper's Theorem 3 is not an accountant: it is refused here
+"""Front door: eps of a ledger / of T equal steps under an accountant of the registry
+(``widedp.accounting.registry``: pld the headline, rdp the cross-check), and the JSON ``report`` that
+``widedp epsilon`` prints. The paper's Theorem 3 is not an accountant: it is refused here
 (``PAPER_REFUSED``) and appears only as the labelled ``paper_theorem3_reference_NOT_A_BOUND`` entry of ``report``."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from widedp.accounting import paper as paper_mod
 from widedp.accounting import pld as pld_mod
 from widedp.accounting import rdp as rdp_mod
+from widedp.accounting.base import Accountant
 from widedp.accounting.ledger import Ledger, spend_to_json
 from widedp.accounting.parts import Costs, costs_of
+from widedp.accounting.registry import ACCOUNTANTS, CROSS_CHECK, headline
+from widedp.accounting.registry import accountant as named
 from widedp.dp.spend import DiscreteGaussianSpend, GaussianSpend, StepSpend
 from widedp.errors import ConfigError
 
-Accountant = Literal["pld", "rdp"]
-#: The accountants that may calibrate, budget and report a run (valid upper bounds on add/remove eps).
-ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 #: Why ``accountant="paper"`` is refused (also the config error of ``dp.accountant: paper``).
 PAPER_REFUSED = paper_mod.REFUSED
 
 
-def _check(delta: float, accountant: str) -> None:
+def _check(delta: float, accountant: str) -> Accountant:
+    """The accountant called ``accountant`` (any in the registry), after checking ``delta``."""
     if not (isinstance(delta, (int, float)) and 0 < delta < 1):
         raise ConfigError(f"dp.delta: must be in (0, 1), got {delta!r}")
-    if accountant == "paper":
-        raise ConfigError(f"dp.accountant: {PAPER_REFUSED}")
-    if accountant not in ACCOUNTANTS:
-        raise ConfigError(f"dp.accountant: expected one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
+    return named(accountant, baselines=True)
 
 
-def compose_epsilon(runs: Sequence[tuple[StepSpend, int]], *, delta: float, accountant: Accountant = "pld") -> float:
+def _refused(acct: Accountant, costs: Costs) -> None:
+    why = acct.refusal(costs)
+    if why is not None:
+        raise pld_mod.PLDNotApplicable(why)
+
+
+def compose_epsilon(runs: Sequence[tuple[StepSpend, int]], *, delta: float, accountant: str = "pld") -> float:
     """eps at ``delta`` of ``count`` steps of each ``(StepSpend, count)`` run.
 
     Composition is commutative, so the counts of equal records are added up first (a ledger alternating between
     two records costs two self-compositions, not one per run).
     """
-    _check(delta, accountant)
+    acct = _check(delta, accountant)
     runs = [(s, int(n)) for s, n in runs]
     if any(n < 0 for _, n in runs):
         raise ConfigError("accounting: step counts must be >= 0")
@@ -47,22 +52,22 @@ def compose_epsilon(runs: Sequence[tuple[StepSpend, int]], *, delta: float, acco
         c = costs_of(s)
         totals[c] = totals.get(c, 0) + n
     costed = [(c, n) for c, n in totals.items() if n > 0]
-    if accountant == "rdp":
-        return rdp_mod.rdp_epsilon(costed, delta)[0]
-    return pld_mod.pld_epsilon(costed, delta)
+    for c, _ in costed:
+        _refused(acct, c)
+    return acct.epsilon(costed, delta)
 
 
-def epsilon(ledger: Ledger, *, delta: float, accountant: Accountant = "pld") -> float:
+def epsilon(ledger: Ledger, *, delta: float, accountant: str = "pld") -> float:
     """eps at ``delta`` spent by everything recorded in ``ledger`` (add/remove adjacency)."""
     return compose_epsilon(ledger.runs, delta=delta, accountant=accountant)
 
 
-def epsilon_for_step(step: StepSpend, *, steps: int, delta: float, accountant: Accountant = "pld") -> float:
+def epsilon_for_step(step: StepSpend, *, steps: int, delta: float, accountant: str = "pld") -> float:
     """eps at ``delta`` after ``steps`` identical steps."""
     return compose_epsilon([(step, steps)], delta=delta, accountant=accountant)
 
 
-def headline_epsilons(ledger: Ledger, *, delta: float, accountant: Accountant = "pld") -> dict[str, Any]:
+def headline_epsilons(ledger: Ledger, *, delta: float, accountant: str = "pld") -> dict[str, Any]:
     """What a run reports for its ledger (per epoch in metrics.jsonl, and in summary.json): ``epsilon`` by the run's
     accountant (the headline, ``epsilon_accountant`` names it) and ``epsilon_rdp``, the RDP cross-check.
 
@@ -76,7 +81,7 @@ def headline_epsilons(ledger: Ledger, *, delta: float, accountant: Accountant = 
         head = epsilon(ledger, delta=delta, accountant=accountant)
     except pld_mod.PLDRangeError:
         head = math.inf
-    rdp = head if accountant == "rdp" else epsilon(ledger, delta=delta, accountant="rdp")
+    rdp = head if accountant == CROSS_CHECK else epsilon(ledger, delta=delta, accountant=CROSS_CHECK)
     return {"epsilon": head, "epsilon_accountant": accountant, "epsilon_rdp": rdp}
 
 
@@ -98,15 +103,14 @@ def _json_float(x: float) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
 
 
-def _pld_or_none(runs: list[tuple[Costs, int]], delta: float) -> float | None:
-    """The PLD figure, or None for discrete Gaussian noise (no PLD: ``pld.DISCRETE_REFUSED``)."""
-    try:
-        return pld_mod.pld_epsilon(runs, delta)
-    except pld_mod.PLDNotApplicable:
+def _or_none(acct: Accountant, runs: list[tuple[Costs, int]], delta: float) -> float | None:
+    """The accountant's figure, or None where it does not apply (e.g. no PLD of discrete Gaussian noise)."""
+    if any(acct.refusal(c) is not None for c, _ in runs):
         return None
+    return acct.epsilon(runs, delta)
 
 
-def report(step: StepSpend, *, steps: int, delta: float, accountant: Accountant = "pld") -> dict[str, Any]:
+def report(step: StepSpend, *, steps: int, delta: float, accountant: str = "pld") -> dict[str, Any]:
     """Everything spent by ``steps`` identical steps, as a JSON-able dict.
 
     ``epsilon`` is the headline by ``accountant`` (default PLD; max over add and remove), ``epsilon_pld`` and
@@ -116,20 +120,18 @@ def report(step: StepSpend, *, steps: int, delta: float, accountant: Accountant 
     Theorem 3 ({"epsilon", "delta", "note"}), a labelled reference that is NOT a valid bound (no warning is
     emitted: the label is in the key and the note). Infinite eps are reported as ``inf`` floats.
     """
-    _check(delta, accountant)
+    head = _check(delta, accountant)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ConfigError(f"steps: must be an integer >= 0, got {steps!r}")
     costs = costs_of(step)
-    if costs.discrete and accountant == "pld":
-        raise pld_mod.PLDNotApplicable(pld_mod.DISCRETE_REFUSED)
+    _refused(head, costs)
     parts: dict[str, dict[str, Any]] = {}
     for name, c in (("noise", costs.noise_only()), ("selection", costs.selection_only()), ("joint", costs)):
-        e_rdp, order = rdp_mod.rdp_epsilon([(c, steps)], delta)
-        parts[name] = {"pld": _pld_or_none([(c, steps)], delta), "rdp": e_rdp, "rdp_order": _json_float(order)}
+        parts[name] = {a: _or_none(ACCOUNTANTS[a], [(c, steps)], delta) for a in headline()}
+        parts[name]["rdp_order"] = _json_float(rdp_mod.rdp_epsilon([(c, steps)], delta)[1])
     out: dict[str, Any] = {
         "epsilon": parts["joint"][accountant],
-        "epsilon_pld": parts["joint"]["pld"],
-        "epsilon_rdp": parts["joint"]["rdp"],
+        **{f"epsilon_{a}": parts["joint"][a] for a in headline()},
         "delta": float(delta),
         "steps": steps,
         "sampling_rate": costs.q,
@@ -139,19 +141,12 @@ def report(step: StepSpend, *, steps: int, delta: float, accountant: Accountant 
         "accountant": accountant,
         "selection": [spend_to_json(p) for p in step.parts if not isinstance(p, _NOISE)],
         "parts": parts,
-        "method": {
-            "pld": "dominating pair per step: N(1,s^2) x selection pair (bounded-range envelope per exponential pick, "
-            "randomized response per pure-DP mechanism), Poisson-subsampled once, pessimistic connect-the-dots "
-            f"(interval {pld_mod.DEFAULT_DISCRETIZATION:g}), FFT self-composition, max over add/remove",
-            "rdp": "sum of parts' RDP, Zhu-Wang general subsampling once per step (exact sampled Gaussian when the "
-            "selection is free), Balle et al. conversion",
-        },
+        "method": {a: ACCOUNTANTS[a].method for a in headline()},
     }
     if costs.discrete:  # dp.noise: secure
-        out["noise"] = "discrete Gaussian (dp.noise: secure): RDP only, noise multiplier charged sigma/(1 + grid_slack)"
-        out["method"]["pld"] = pld_mod.DISCRETE_REFUSED
-        out["method"]["rdp"] = ("sum of parts' RDP (the discrete Gaussian's bound alpha/(2 s^2), Canonne-Kamath-"
-                                "Steinke 2020), Zhu-Wang general subsampling once per step, Balle et al. conversion")
+        out["noise"] = ("discrete Gaussian (dp.noise: secure): accountants with its RDP bound alpha/(2 s^2) "
+                        "(Canonne-Kamath-Steinke 2020) only, noise multiplier charged sigma/(1 + grid_slack)")
+        out["method"] = {a: ACCOUNTANTS[a].refusal(costs) or ACCOUNTANTS[a].method for a in headline()}
     if steps > 0:
         out[paper_mod.REFERENCE_KEY] = paper_mod.paper_theorem3_reference([(step, steps)], delta)
     return out

@@ -15,9 +15,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from widedp.accounting.accountant import Accountant, _check, compose_epsilon, noise_part, selection_part
+from widedp.accounting.accountant import _check, compose_epsilon, noise_part, selection_part
 from widedp.accounting.parts import costs_of
 from widedp.accounting.pld import PLDRangeError
+from widedp.accounting.registry import accountant as named
 from widedp.dp.spend import StepSpend
 from widedp.errors import ConfigError
 
@@ -31,11 +32,11 @@ def _log(v: float) -> float:
 Prefix = Sequence[tuple[StepSpend, int]]
 
 
-def _eps(step: StepSpend, steps: int, delta: float, accountant: Accountant, prefix: Prefix) -> float:
+def _eps(step: StepSpend, steps: int, delta: float, accountant: str, prefix: Prefix) -> float:
     return compose_epsilon([*prefix, (step, steps)], delta=delta, accountant=accountant)
 
 
-def _eps_or_inf(step: StepSpend, steps: int, delta: float, accountant: Accountant, prefix: Prefix = ()) -> float:
+def _eps_or_inf(step: StepSpend, steps: int, delta: float, accountant: str, prefix: Prefix = ()) -> float:
     try:
         return _eps(step, steps, delta, accountant, prefix)
     except PLDRangeError:  # loss range too wide for a grid: far above any sensible target
@@ -147,15 +148,17 @@ def _solve(
 
 
 def _rdp_start(solver: Callable[..., float], x_default: float, accountant: str, **kw: object) -> float:
-    if accountant != "pld":
+    """Where the search starts: the answer of the accountant's cheaper ``start_from`` (5%), else ``x_default``."""
+    start = named(accountant, baselines=True).start_from
+    if start is None:
         return x_default
     try:
-        return solver(**kw, accountant="rdp", tolerance=0.05)
+        return solver(**kw, accountant=start, tolerance=0.05)
     except ConfigError:
         return x_default
 
 
-def _fixed_part_eps(step: StepSpend, steps: int, delta: float, accountant: Accountant, prefix: Prefix,
+def _fixed_part_eps(step: StepSpend, steps: int, delta: float, accountant: str, prefix: Prefix,
                     target: float, what: str, advice: str) -> float:
     """eps of the part calibration holds fixed; a ConfigError when it alone reaches the target (no solution)."""
     _check(delta, accountant)
@@ -169,7 +172,7 @@ def _fixed_part_eps(step: StepSpend, steps: int, delta: float, accountant: Accou
 
 
 def calibrate_noise_multiplier(make_step: Callable[[float], StepSpend], *, steps: int, delta: float,
-                               target_epsilon: float, accountant: Accountant = "pld", tolerance: float = 0.01,
+                               target_epsilon: float, accountant: str = "pld", tolerance: float = 0.01,
                                prefix: Prefix = ()) -> float:
     """sigma with eps(make_step(sigma), steps) in [(1 - tolerance) target, target] (so eps <= target).
 
@@ -188,7 +191,7 @@ def calibrate_noise_multiplier(make_step: Callable[[float], StepSpend], *, steps
 
 
 def calibrate_selection_epsilon(make_step: Callable[[float], StepSpend], *, steps: int, delta: float,
-                                target_epsilon: float, accountant: Accountant = "pld", tolerance: float = 0.01,
+                                target_epsilon: float, accountant: str = "pld", tolerance: float = 0.01,
                                 max_epsilon: float = 100.0, prefix: Prefix = ()) -> float:
     """Selection epsilon x (e.g. eps'' per pick) with eps(make_step(x), steps) in [(1 - tolerance) target, target],
     sigma held fixed; ``max_epsilon`` when even that stays below the target.
@@ -211,7 +214,7 @@ def calibrate_selection_epsilon(make_step: Callable[[float], StepSpend], *, step
 
 
 def max_steps(
-    step: StepSpend, *, delta: float, target_epsilon: float, accountant: Accountant = "pld", limit: int = 10**9,
+    step: StepSpend, *, delta: float, target_epsilon: float, accountant: str = "pld", limit: int = 10**9,
     prefix: Prefix = (),
 ) -> int:
     """The largest T <= ``limit`` with eps(prefix + T identical steps) <= target (0 when one step already exceeds
@@ -229,8 +232,9 @@ def max_steps(
     if g(1) > 0:
         return 0
     t = 1
-    if accountant == "pld":  # start from the cheap RDP answer (usually within a factor of a few)
-        t = max(1, max_steps(step, delta=delta, target_epsilon=target_epsilon, accountant="rdp", limit=limit,
+    start = _check(delta, accountant).start_from
+    if start is not None:  # start from the cheaper accountant's answer (usually within a factor of a few)
+        t = max(1, max_steps(step, delta=delta, target_epsilon=target_epsilon, accountant=start, limit=limit,
                              prefix=prefix))
     # Bracket lo <= T* < hi, stepping in log T by the local slope of log eps (eps ~ T^p).
     factor = 1.25

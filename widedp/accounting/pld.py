@@ -54,6 +54,7 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pldm
 from scipy.special import log_ndtr, ndtr
 
+from widedp.accounting.base import Accountant
 from widedp.accounting.parts import Costs
 from widedp.dp.spend import DISCRETE_PLD_REFUSED
 from widedp.errors import ConfigError
@@ -357,3 +358,22 @@ def pld_epsilon(runs: Sequence[tuple[Costs, int]], delta: float, d: float = DEFA
 def pld_delta(runs: Sequence[tuple[Costs, int]], epsilon: float, d: float = DEFAULT_DISCRETIZATION) -> float:
     """delta at ``epsilon`` of the composition of ``runs`` (max over add and remove adjacency)."""
     return float(compose_pld(runs, d).get_delta_for_epsilon(epsilon))
+
+
+class PLDAccountant(Accountant):
+    """The headline: each step's dominating pair, Poisson-subsampled once, pessimistically discretised, composed by
+    FFT (``pld_epsilon``); no PLD of the discrete Gaussian (``DISCRETE_REFUSED``)."""
+
+    name = "pld"
+    discrete_noise = False
+    start_from = "rdp"
+    method = ("dominating pair per step: N(1,s^2) x selection pair (bounded-range envelope per exponential pick, "
+              "randomized response per pure-DP mechanism), Poisson-subsampled once, pessimistic connect-the-dots "
+              f"(interval {DEFAULT_DISCRETIZATION:g}), FFT self-composition, max over add/remove")
+
+    def refusal(self, costs: Costs) -> str | None:
+        return DISCRETE_REFUSED if costs.discrete else None
+
+    def epsilon(self, runs: Sequence[tuple[Costs, int]], delta: float) -> float:
+        return pld_epsilon(runs, delta)
+

@@ -28,6 +28,7 @@ from functools import lru_cache
 import numpy as np
 from scipy.special import binom, gammaln, log_ndtr, logsumexp
 
+from widedp.accounting.base import Accountant
 from widedp.accounting.parts import Costs
 
 #: Orders for steps whose only cost is Gaussian noise (Opacus' default grid, ``RDPAccountant.DEFAULT_ALPHAS``).
@@ -200,3 +201,16 @@ def rdp_epsilon(runs: Sequence[tuple[Costs, int]], delta: float) -> tuple[float,
     if not np.any(total):
         return 0.0, math.nan
     return rdp_to_epsilon(orders, total, delta)
+
+
+class RDPAccountant(Accountant):
+    """The cross-check: the sum of the parts' RDP curves, Zhu-Wang general subsampling once per step (the exact
+    sampled Gaussian when the selection is free), Balle et al.'s conversion (``rdp_epsilon``)."""
+
+    name = "rdp"
+    method = ("sum of parts' RDP, Zhu-Wang general subsampling once per step (exact sampled Gaussian when the "
+              "selection is free), Balle et al. conversion")
+
+    def epsilon(self, runs: Sequence[tuple[Costs, int]], delta: float) -> float:
+        return rdp_epsilon(runs, delta)[0]
+

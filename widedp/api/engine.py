@@ -129,7 +129,7 @@ class PrivacyEngine:
 
     def __init__(self, *, selection: SelectionConfig | dict[str, Any] | str, clip1: float, clip2: float | None = None,
                  noise_multiplier: float | None = None, target_epsilon: float | None = None, delta: float = 1e-5,
-                 privacy_unit: str = "example", accountant: Literal["pld", "rdp"] = "pld", secure_rng: bool = True,
+                 privacy_unit: str = "example", accountant: str = "pld", secure_rng: bool = True,
                  seed: int = 0, sampling_rate: float | None = None,
                  noise: Literal["gaussian", "secure"] = "gaussian") -> None:
         if noise_multiplier is None and target_epsilon is None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from widedp.accounting.registry import accountant
 from widedp.config import glm, module, recsys  # the other tasks' sections (TASK_SECTIONS)
 
 # the data: section (DataConfig, VocabDPConfig, DATA_PRESETS) lives in widedp.config.data, re-exported here
@@ -171,7 +172,7 @@ class DPConfig:
     delta: float = 1e-5
     rng: Literal["secure", "reproducible"] = "secure"
     noise: Literal["gaussian", "secure"] = "gaussian"
-    accountant: Literal["pld", "rdp", "paper"] = "pld"  # "paper" only to refuse it with its reason (__post_init__)
+    accountant: str = "pld"  # a headline accountant of widedp.accounting.registry ("paper": refused with its reason)
     target_epsilon: float | None = None
     calibrate: Literal["none", "noise_multiplier", "selection_epsilon"] = "none"
     selection: SelectionConfig = field(default_factory=ExponentialSelectionConfig)
@@ -192,6 +193,7 @@ class DPConfig:
                               "e.g. q=0.01, T=1, sigma=0.2: 5.8 vs a true eps >= 22.6) and cannot drive a run; use pld "
                               "or rdp. Its figure is shown, labelled, as paper_theorem3_reference_NOT_A_BOUND in "
                               "`widedp epsilon CONFIG --set dp.accountant=pld`")
+        accountant(self.accountant)  # one of the registry's headline accountants
         positive("dp.clip1", self.clip1)
         if self.clip2 is not None:
             positive("dp.clip2", self.clip2)
@@ -218,7 +220,7 @@ class DPConfig:
         if self.engine != "widedp":
             raise ConfigError(f"dp.noise: secure is widedp's own step; dp.engine: {self.engine} draws its own "
                               "continuous Gaussian noise (use dp.noise: gaussian there)")
-        if self.accountant != "rdp":
+        if not accountant(self.accountant).discrete_noise:
             raise ConfigError(DISCRETE_PLD_REFUSED)
         if getattr(self.selection, "release_values", False):
             raise ConfigError("dp.noise: secure does not cover dp.selection.release_values: true (its Laplace values "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from widedp.accounting.registry import accountant
 from widedp.config.data import TokenFilter
 from widedp.config.tools import data_cache_key, nonneg, positive
 from widedp.errors import ConfigError
@@ -154,7 +155,7 @@ class GLMAlgorithmConfig:
                   "nonprivate"] = "dpsgd"
     epsilon: float | None = None
     delta: float = 1e-5
-    accountant: Literal["pld", "rdp"] = "pld"
+    accountant: str = "pld"  # a headline accountant of widedp.accounting.registry
     rng: Literal["secure", "reproducible"] = "secure"
     # gradient methods (dpsgd, dp_agd, sparse_mean_gd, numeric_sparse)
     iterations: int | None = None
@@ -189,6 +190,10 @@ class GLMAlgorithmConfig:
     release_share: float | None = None
 
     def __post_init__(self) -> None:
+        try:
+            accountant(self.accountant)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("dp.accountant", "algorithm.accountant", 1)) from None
         own = ALGORITHM_DEFAULTS[self.name]
         for f in dataclasses.fields(self):
             if f.name in ("name", "epsilon", "delta", "accountant", "rng") or getattr(self, f.name) is None:

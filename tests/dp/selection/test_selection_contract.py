@@ -30,7 +30,7 @@ from widedp.dp.selection import SelectionContext, Selector, make_selector
 from widedp.dp.spend import ExponentialSpend, FreeSpend, GaussianSelectionSpend, SparseVectorSpend, StepSpend
 from widedp.dp.step import dp_step, dp_step_spend
 from widedp.errors import ConfigError
-from widedp.run.budget import step_spend
+from widedp.run.plan import step_spend
 from widedp.run.preselect_setup import Preselection, restrict_selector
 
 ROWS, DIM, DELTA = 12, 3, 1e-5

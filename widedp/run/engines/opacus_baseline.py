@@ -29,12 +29,14 @@ from typing import Any, TypeVar
 
 import torch
 from opacus import PrivacyEngine
-from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants import RDPAccountant
 from opacus.data_loader import DPDataLoader
 from torch.utils.data import DataLoader
 
 from widedp import accounting
 from widedp.accounting import statement
+from widedp.accounting.parts import Costs
+from widedp.accounting.registry import ACCOUNTANTS
 from widedp.config import Config
 from widedp.dp import rng, units
 from widedp.errors import ConfigError
@@ -91,10 +93,9 @@ def opacus_epsilons(history: list[tuple[float, float, int]], delta: float) -> di
         return {"rdp": 0.0, "prv": 0.0}
     rdp = RDPAccountant()
     rdp.history = list(history)
-    prv_acc = PRVAccountant()
-    prv_acc.history = list(history)
-    try:
-        prv: float | None = float(prv_acc.get_epsilon(delta))
+    try:  # Opacus' PRV through the accountant registry's adapter (widedp.accounting.opacus_prv)
+        prv: float | None = ACCOUNTANTS["opacus_prv"].epsilon([(Costs(q=q, sigma=s), n) for s, q, n in history],
+                                                               delta)
     except Exception:  # PRV's domain heuristics fail at extreme settings; RDP stays available
         prv = None
     return {"rdp": float(rdp.get_epsilon(delta)), "prv": prv}

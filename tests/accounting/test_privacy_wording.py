@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
          *sorted(p for d in ("widedp", "data_prep", "models", "eval") for p in (ROOT / d).rglob("*.py"))]
 
