@@ -38,6 +38,7 @@ which no theorem covers for these mechanisms, so such figures are not reported a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -84,6 +85,74 @@ def clipped_loss_sums(z0: torch.Tensor, dz: torch.Tensor, y: torch.Tensor, steps
     return out
 
 
+@dataclass
+class _Budget:
+    """DP-AGD's zCDP budget: what is left, what was spent, the ledger of every measurement, the GradAvg count."""
+
+    remaining: float
+    ledger: accounting.Ledger = field(default_factory=accounting.Ledger)
+    spent: float = 0.0
+    gradavg: int = 0
+
+    def spend_gauss(self, r: float) -> None:
+        """A Gaussian measurement of the gradient sum at ``r``-zCDP."""
+        self.remaining -= r
+        self.spent += r
+        self.ledger.add(step((ZCDPGaussianSpend(r),)))
+
+    def spend_nmax(self, r: float) -> float:
+        """A NoisyMax at ``r``-zCDP; returns its pure epsilon sqrt(2 r)."""
+        self.remaining -= r
+        self.spent += r
+        eps = math.sqrt(2.0 * r)
+        self.ledger.add(step((ExponentialSpend(eps, 1, bounded_range=False),)))
+        return eps
+
+
+@dataclass(frozen=True)
+class _Search:
+    """The fixed parameters of one iteration's step search (NoisyMax, GradAvg)."""
+
+    clip: float
+    loss_clip: float
+    gamma: float
+    step_candidates: int
+    tiny: float
+    generator: torch.Generator
+
+
+def _choose_step(data: glm.LabeledCSR, w: torch.Tensor, g: torch.Tensor, g_noisy: torch.Tensor, *, r_ng: float,
+                 r_nm: float, rho_ng: float, step_max: float, budget: _Budget, p: _Search
+                 ) -> tuple[float, torch.Tensor | None, float]:
+    """Steps 2-3 of an iteration: NoisyMax over the step candidates along g_noisy's direction, GradAvg with a
+    larger budget while the zero step wins. Returns (the step, its direction, rho_ng); (0.0, None, rho_ng) when the
+    budget ran out before a step > 0 won."""
+    z0 = glm.logits(w, data)
+    while True:
+        if budget.remaining < r_nm - p.tiny:
+            break
+        direction = g_noisy / g_noisy.norm().clamp_min(1e-30)
+        dz = glm.logits(direction, data)
+        steps = torch.linspace(0.0, step_max, p.step_candidates + 1, dtype=torch.float64)
+        omega = clipped_loss_sums(z0, dz, data.y, steps, p.loss_clip)
+        eps_nm = budget.spend_nmax(min(r_nm, budget.remaining))
+        i = noisy_max(-omega, sensitivity=p.loss_clip, epsilon=eps_nm, generator=p.generator)
+        if i > 0:
+            return float(steps[i]), direction, rho_ng
+        # no step helps: more budget for this and later gradients, measure again and average (GradAvg)
+        r_new = (1.0 + p.gamma) * r_ng
+        inc = r_new - r_ng
+        if budget.remaining < inc + r_nm - p.tiny:
+            budget.remaining = 0.0 if budget.remaining < r_nm else budget.remaining
+            break
+        g_noisy = grad_avg(g_noisy, g, rho_old=r_ng, rho_new=r_new, clip=p.clip, generator=p.generator)
+        budget.spend_gauss(inc)
+        r_ng = r_new
+        rho_ng = max(rho_ng, r_new)
+        budget.gradavg += 1
+    return 0.0, None, rho_ng
+
+
 def dp_agd(data: glm.LabeledCSR, *, rho: float, nominal_iterations: int, clip: float, loss_clip: float,
            nmax_share: float, gamma: float, step_candidates: int, step_max: float, step_window: int,
            generator: torch.Generator, callback: Callback | None = None, log_every: int = 10,
@@ -95,73 +164,36 @@ def dp_agd(data: glm.LabeledCSR, *, rho: float, nominal_iterations: int, clip: f
     w = torch.zeros(d, k, dtype=dtype)
     rho_ng = (1.0 - nmax_share) * rho / nominal_iterations
     rho_nmax = nmax_share * rho / nominal_iterations
-    remaining = rho
-    ledger = accounting.Ledger()
+    budget = _Budget(rho)
     chosen: list[float] = []
     window: list[float] = []
-    stats = {"gradavg": 0, "iterations": 0, "rho_spent": 0.0}
     tiny = 1e-12 * rho
-
-    def spend_gauss(r: float) -> None:
-        nonlocal remaining
-        remaining -= r
-        stats["rho_spent"] += r
-        ledger.add(step((ZCDPGaussianSpend(r),)))
-
-    def spend_nmax(r: float) -> float:
-        nonlocal remaining
-        remaining -= r
-        stats["rho_spent"] += r
-        eps = math.sqrt(2.0 * r)
-        ledger.add(step((ExponentialSpend(eps, 1, bounded_range=False),)))
-        return eps
-
+    search = _Search(clip=clip, loss_clip=loss_clip, gamma=gamma, step_candidates=step_candidates, tiny=tiny,
+                     generator=generator)
     t = 0
-    while remaining > tiny and t < max_iterations:
+    while budget.remaining > tiny and t < max_iterations:
         r_ng, r_nm = rho_ng, rho_nmax
-        if remaining < r_ng + r_nm:  # last iteration: spend exactly what is left, same proportion
-            scale = remaining / (r_ng + r_nm)
+        if budget.remaining < r_ng + r_nm:  # last iteration: spend exactly what is left, same proportion
+            scale = budget.remaining / (r_ng + r_nm)
             r_ng, r_nm = r_ng * scale, r_nm * scale
         _, r, _ = clipped_residuals(w, data, x_norms, clip)
         g = glm.weighted_grad_sum(data, r)
         g_noisy = g + gaussian(g.shape, clip / math.sqrt(2.0 * r_ng), generator, dtype)
-        spend_gauss(r_ng)
-        z0 = glm.logits(w, data)
-        while True:
-            if remaining < r_nm - tiny:
-                break
-            direction = g_noisy / g_noisy.norm().clamp_min(1e-30)
-            dz = glm.logits(direction, data)
-            steps = torch.linspace(0.0, step_max, step_candidates + 1, dtype=torch.float64)
-            omega = clipped_loss_sums(z0, dz, data.y, steps, loss_clip)
-            eps_nm = spend_nmax(min(r_nm, remaining))
-            i = noisy_max(-omega, sensitivity=loss_clip, epsilon=eps_nm, generator=generator)
-            if i > 0:
-                a = float(steps[i])
-                w = w - a * direction
-                chosen.append(a)
-                window.append(a)
-                break
-            # no step helps: more budget for this and later gradients, measure again and average (GradAvg)
-            r_new = (1.0 + gamma) * r_ng
-            inc = r_new - r_ng
-            if remaining < inc + r_nm - tiny:
-                remaining = 0.0 if remaining < r_nm else remaining
-                break
-            g_noisy = grad_avg(g_noisy, g, rho_old=r_ng, rho_new=r_new, clip=clip, generator=generator)
-            spend_gauss(inc)
-            r_ng = r_new
-            rho_ng = max(rho_ng, r_new)
-            stats["gradavg"] += 1
+        budget.spend_gauss(r_ng)
+        a, direction, rho_ng = _choose_step(data, w, g, g_noisy, r_ng=r_ng, r_nm=r_nm, rho_ng=rho_ng,
+                                            step_max=step_max, budget=budget, p=search)
+        if direction is not None:
+            w = w - a * direction
+            chosen.append(a)
+            window.append(a)
         t += 1
         if len(window) >= step_window:
             step_max = (1.0 + gamma) * max(window)
             window = []
-        if callback is not None and (t % log_every == 0 or remaining <= tiny):
-            callback(t, w, {"rho_remaining": max(remaining, 0.0), "step_max": step_max,
+        if callback is not None and (t % log_every == 0 or budget.remaining <= tiny):
+            callback(t, w, {"rho_remaining": max(budget.remaining, 0.0), "step_max": step_max,
                             "rho_ng": rho_ng, "last_step": chosen[-1] if chosen else 0.0})
-    stats["iterations"] = t
-    info: dict[str, Any] = {**stats, "rho": rho, "steps_taken": len(chosen),
-                            "mean_step": sum(chosen) / len(chosen) if chosen else 0.0, "final_rho_ng": rho_ng,
-                            "final_step_max": step_max}
-    return ConvexResult(w, ledger, t, info)
+    info: dict[str, Any] = {"gradavg": budget.gradavg, "iterations": t, "rho_spent": budget.spent, "rho": rho,
+                            "steps_taken": len(chosen), "mean_step": sum(chosen) / len(chosen) if chosen else 0.0,
+                            "final_rho_ng": rho_ng, "final_step_max": step_max}
+    return ConvexResult(w, budget.ledger, t, info)
