@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from widedp.run import summary as run_summary
 from widedp.run.checkpoint import load_checkpoint, save_checkpoint, write_json, write_text
 from widedp.run.engines import Engine, make_engine
 from widedp.run.plots import plot_losses
-from widedp.tasks.protocol import Task
+from widedp.tasks.protocol import Built, Task
 
 
 @torch.inference_mode()
@@ -79,16 +80,67 @@ def drop_metrics_after(path: Path, step: int) -> None:
     write_text(path, "".join(keep))
 
 
+@dataclass
+class RunState:
+    """What a run carries from step to step: what its checkpoint saves (step, history, elapsed, best), the
+    accumulators of the log interval under way, and the timers that keep evaluation and checkpoints out of the
+    training time."""
+
+    step: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)  # the epoch records
+    elapsed: float = 0.0  # training seconds of the attempts before a resume
+    best: dict[str, Any] = field(default_factory=dict)  # train.keep_best: epoch, valid_loss, model
+    stopped_by_budget: bool = False
+    t0: float = 0.0  # when this attempt's training began
+    aside: float = 0.0  # seconds of evaluation and checkpoints since t0
+    loss_acc: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # the interval's summed losses
+    acc_steps: int = 0  # the interval's steps
+    acc_samples: int = 0  # the interval's samples
+    t_window: float = 0.0  # when the interval began (moved on by the time set aside)
+
+    @classmethod
+    def resumed(cls, ckpt: dict[str, Any]) -> RunState:
+        """The state a checkpoint saved."""
+        return cls(step=ckpt["step"], history=ckpt["history"], elapsed=ckpt["elapsed"], best=ckpt.get("best", {}))
+
+    def training_seconds(self) -> float:
+        """Training time so far, this attempt's and the earlier ones': without evaluation and checkpoints."""
+        return self.elapsed + time.perf_counter() - self.t0 - self.aside
+
+
 def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, data: Any = None) -> dict[str, Any]:
     """Train ``cfg`` into ``out`` (locked and prepared by the caller); returns the summary (also in summary.json).
     ``data``: prepared data for the task's build (canaries, a sweep's shared corpus)."""
     t_setup = time.perf_counter()
-    tc = cfg.train
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
-    device = ranks.resolve_device(tc.device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = ranks.resolve_device(cfg.train.device)
     task.check(cfg, private=cfg.dp is not None)
     out.mkdir(parents=True, exist_ok=True)
+    ckpt = _resume_checkpoint(cfg, out, resume=resume, data=data, device=device)
+    engine = make_engine(cfg, out, device=device, resumed=ckpt is not None)
+    built = _build(cfg, task, out, engine, device=device, data=data, ckpt=ckpt)
+    engine.setup(built, task)
+    if engine.is_writer:
+        task.warn(cfg)  # (after the setup, so that a config error stays one line)
+    state = RunState()
+    if ckpt is not None:
+        engine.module.load_state_dict(ckpt["model"])
+        engine.load_state_dict(ckpt)
+        state = RunState.resumed(ckpt)
+        if engine.is_writer:
+            drop_metrics_after(out / "metrics.jsonl", state.step)
+    loop = _Loop(cfg, engine, built, out=out, device=device, state=state)
+    if ckpt is None:
+        loop.log_start(task)
+    setup_s = time.perf_counter() - t_setup
+    wall = loop.train(progress=progress)
+    loop.finish()
+    return loop.summarize(task, built, wall=wall, setup_s=setup_s)
+
+
+def _resume_checkpoint(cfg: Config, out: Path, *, resume: bool, data: Any, device: Any) -> dict[str, Any] | None:
+    """The checkpoint a resumed run goes on from (None: a new run), checked against this config and world size."""
     if resume and data is None and (out / "canaries.json").exists():
         raise ConfigError(f"{out}: trained with canaries; resume it by re-running the same `widedp canary` command")
     ckpt = load_checkpoint(out, map_location=device) if resume else None
@@ -97,14 +149,18 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
     if ckpt is not None and ckpt.get("world_size", 1) != ranks.world():
         raise ConfigError(f"{out}: trained on {ckpt.get('world_size', 1)} process(es); resume it on as many "
                           f"(widedp train --resume {out} --nproc {ckpt.get('world_size', 1)}), not {ranks.world()}")
+    return ckpt
 
-    engine = make_engine(cfg, out, device=device, resumed=ckpt is not None)
-    writer = engine.is_writer  # (False: a rank > 0 of a distributed run)
-    if writer:
+
+def _build(cfg: Config, task: Task, out: Path, engine: Engine, *, device: Any, data: Any,
+           ckpt: dict[str, Any] | None) -> Built:
+    """The task's model and splits: the writer builds into ``out`` (the task's files) and writes config.yaml, the
+    other ranks build into a scratch folder. A resumed run's training split must be the checkpoint's."""
+    if engine.is_writer:
         built = task.build(cfg, out, device=device, data=data, noise_seed=engine.prefix_seed,
                            resumed=ckpt is not None)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    else:  # the task's files are rank 0's to write
+    else:  # the task's files are rank 0's to write (a rank > 0 of a distributed run)
         with tempfile.TemporaryDirectory(prefix="widedp-rank-") as scratch:
             built = task.build(cfg, Path(scratch), device=device, data=data, noise_seed=engine.prefix_seed)
     n = len(built.splits["train"])
@@ -115,114 +171,143 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
                              "its checkpoint predates widedp recording it; the CBOW and recommender splits changed "
                              "with the record-local split")
                           + "): start a new run (--overwrite)")
-    engine.setup(built, task)
-    if writer:
-        task.warn(cfg)  # (after the setup, so that a config error stays one line)
-    splits = built.splits
-    step, history, elapsed = 0, [], 0.0
-    best: dict[str, Any] = {}  # train.keep_best: epoch, valid_loss, model
-    if ckpt is not None:
-        engine.module.load_state_dict(ckpt["model"])
-        engine.load_state_dict(ckpt)
-        step, history, elapsed, best = ckpt["step"], ckpt["history"], ckpt["elapsed"], ckpt.get("best", {})
-    total, per_epoch = engine.total, engine.per_epoch
-    if ckpt is not None and writer:
-        drop_metrics_after(out / "metrics.jsonl", step)
-    metrics = (out / "metrics.jsonl").open("a") if writer else open(os.devnull, "w")  # noqa: SIM115
+    return built
 
-    def log(rec: dict[str, Any]) -> None:
-        metrics.write(json.dumps(rec) + "\n")
-        metrics.flush()
 
-    def record(epoch: int) -> None:
-        history.append(epoch_record(engine, splits, tc, epoch, step))
-        log({"kind": "epoch", **history[-1]})
-        rec = history[-1]
-        if tc.keep_best and rec["epoch"] > 0 and rec["valid_loss"] < best.get("valid_loss", float("inf")):
-            best.update(epoch=rec["epoch"], valid_loss=rec["valid_loss"],
-                        model={k: v.detach().clone() for k, v in engine.module.state_dict().items()})
+class _Loop:
+    """One run's loop over its ``RunState``: steps, interval and epoch records in metrics.jsonl, checkpoints, the
+    summary. Only the writer (``engine.is_writer``) writes the run's files; the others log to /dev/null."""
 
-    def checkpoint() -> None:
-        engine.save_private(step)  # private/ (and a sharded run's shards), before the checkpoint
-        state = {"model": engine.module.state_dict(), "step": step, "history": history,
-                 "elapsed": elapsed + time.perf_counter() - t0 - aside, "config_hash": cfg.hash(), "best": best,
-                 "n_train": n, **engine.state_dict()}
+    def __init__(self, cfg: Config, engine: Engine, built: Built, *, out: Path, device: Any, state: RunState) -> None:
+        self.cfg, self.tc, self.engine, self.out, self.device, self.state = cfg, cfg.train, engine, out, device, state
+        self.splits = built.splits
+        self.n = len(built.splits["train"])
+        self.writer = engine.is_writer
+        self.total, self.per_epoch = engine.total, engine.per_epoch
+        self.metrics = (out / "metrics.jsonl").open("a") if self.writer else open(os.devnull, "w")  # noqa: SIM115
+
+    def log(self, rec: dict[str, Any]) -> None:
+        """One line of metrics.jsonl, flushed."""
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+
+    def record(self, epoch: int) -> None:
+        """The epoch record after the current step (history and metrics.jsonl); keep_best's best epoch."""
+        s, tc = self.state, self.tc
+        s.history.append(epoch_record(self.engine, self.splits, tc, epoch, s.step))
+        self.log({"kind": "epoch", **s.history[-1]})
+        rec = s.history[-1]
+        if tc.keep_best and rec["epoch"] > 0 and rec["valid_loss"] < s.best.get("valid_loss", float("inf")):
+            s.best.update(epoch=rec["epoch"], valid_loss=rec["valid_loss"],
+                          model={k: v.detach().clone() for k, v in self.engine.module.state_dict().items()})
+
+    def checkpoint(self) -> None:
+        """The private state (private/, a sharded run's shards), then checkpoint.pt, then the older private state
+        pruned."""
+        s, engine = self.state, self.engine
+        engine.save_private(s.step)  # private/ (and a sharded run's shards), before the checkpoint
+        state = {"model": engine.module.state_dict(), "step": s.step, "history": s.history,
+                 "elapsed": s.training_seconds(), "config_hash": self.cfg.hash(), "best": s.best, "n_train": self.n,
+                 **engine.state_dict()}
+        if self.writer:
+            save_checkpoint(self.out, state)
+        engine.prune_private(s.step)
+
+    def log_start(self, task: Task) -> None:
+        """A new run's first records: the initial evaluation (epoch 0), the notices and the "start" line."""
+        start = self.engine.start()  # (a prefix's journal entry, before anything derived from it is logged)
+        self.state.history.append(epoch_record(self.engine, self.splits, self.tc, -1, 0))
+        self.log({"kind": "notice", "text": run_summary.DIAGNOSTICS_NOTICE})
+        if scored := task.metrics_model(self.cfg):  # e.g. the full model, when the release leaves a table out
+            self.log({"kind": "notice", "metrics_model": scored, "text": f"the losses and metrics here score {scored}"})
+        self.log({"kind": "start", "n_train": self.n, "n_units": None, "steps_per_epoch": self.per_epoch,
+                  "total_steps": self.total, **start})
+
+    def train(self, *, progress: bool) -> float:
+        """Step to the last step (or to the budget stop); returns the training seconds (``RunState.elapsed``
+        included; evaluation and checkpoints not)."""
+        s, engine, tc = self.state, self.engine, self.tc
+        bar = tqdm(total=self.total, initial=s.step, disable=not progress, unit="step", dynamic_ncols=True)
+        s.loss_acc = torch.zeros((), device=self.device)
+        s.acc_steps, s.acc_samples, s.t0 = 0, 0, time.perf_counter()
+        s.t_window, s.aside = s.t0, 0.0
+        while s.step < self.total:
+            epoch = s.step // self.per_epoch
+            if engine.exhausted():
+                s.stopped_by_budget = True
+                break
+            if s.acc_steps == 0:  # DP: reserve the interval in the journal before any of it can leave the process
+                engine.reserve(min(tc.log_every, self.total - s.step))
+            drawn = engine.sample(s.step)
+            s.loss_acc += engine.step(drawn, epoch).loss_sum
+            s.acc_samples += drawn.samples
+            s.step += 1
+            s.acc_steps += 1
+            bar.update(1)
+            end_of_epoch = s.step % self.per_epoch == 0 or s.step == self.total
+            if s.acc_steps == tc.log_every or end_of_epoch:
+                self.log_interval(epoch, bar)
+            if end_of_epoch or (tc.checkpoint_every and s.step % tc.checkpoint_every == 0):
+                self.record_and_checkpoint(epoch if end_of_epoch else None)
+        bar.close()
+        return s.training_seconds()
+
+    def log_interval(self, epoch: int, bar: tqdm) -> None:
+        """The "interval" line of the steps since the last one; the accumulators start over."""
+        s = self.state
+        rec = {"kind": "interval", "step": s.step, "epoch": epoch, "samples": s.acc_samples,
+               "train_loss": float(s.loss_acc) / max(s.acc_samples, 1),
+               "samples_per_s": s.acc_samples / (time.perf_counter() - s.t_window),
+               **self.engine.interval_stats(s.acc_steps, s.step)}
+        self.log(rec)
+        bar.set_postfix(loss=f"{rec['train_loss']:.4f}",
+                        **({"eps": f"{s.history[-1]['epsilon']:.3g}"} if "epsilon" in s.history[-1] else {}))
+        s.loss_acc.zero_()
+        s.acc_steps, s.acc_samples, s.t_window = 0, 0, time.perf_counter()
+
+    def record_and_checkpoint(self, epoch: int | None) -> None:
+        """The epoch record (``epoch`` given: an epoch ended) and a checkpoint, their time set aside: evaluation
+        and checkpoints do not count as training time."""
+        s = self.state
+        t_aside = time.perf_counter()
+        if epoch is not None:
+            self.record(epoch)
+        self.checkpoint()
+        s.aside += time.perf_counter() - t_aside
+        s.t_window += time.perf_counter() - t_aside
+
+    def finish(self) -> None:
+        """After the loop: the last epoch record if it is missing, keep_best's weights, the last checkpoint."""
+        s = self.state
+        if s.acc_steps or s.stopped_by_budget or s.step == self.total:
+            if not s.history or s.history[-1]["step"] != s.step:
+                self.record(s.step // self.per_epoch)
+            if s.best and s.best["epoch"] != s.history[-1]["epoch"]:  # keep_best: end with the best epoch's weights
+                self.engine.module.load_state_dict(s.best["model"])
+                self.log({"kind": "kept_best", "epoch": s.best["epoch"], "valid_loss": s.best["valid_loss"]})
+            self.checkpoint()
+
+    def summarize(self, task: Task, built: Built, *, wall: float, setup_s: float) -> dict[str, Any]:
+        """Close the engine; the summary (summary.json), the task's final evaluation, loss.png."""
+        s, engine, out, writer = self.state, self.engine, self.out, self.writer
+        engine.close()
+        rep = engine.report(stopped=s.stopped_by_budget)
+        summary = run_summary.summary(self.cfg, s.history, step=s.step, per_epoch=self.per_epoch, wall=wall,
+                                      setup_s=setup_s, n=self.n, st=rep.statement, unit_info=engine.unit_info,
+                                      kept_epoch=s.best.get("epoch") if self.tc.keep_best else None)
+        if rep.dp is not None:
+            summary["dp"] = rep.dp
+        engine.eval_model()  # the task's model holds the final weights
+        final = task.finish(self.cfg, out, built) if writer else {}
+        if final:
+            summary.update(final)
+            self.log({"kind": "eval", "step": s.step, **final})
+        self.metrics.close()
+        summary["wall_s"] = wall + s.aside + setup_s  # training + evaluation + checkpoints + setup
         if writer:
-            save_checkpoint(out, state)
-        engine.prune_private(step)
-
-    if ckpt is None:
-        start = engine.start()  # (a prefix's journal entry, before anything derived from it is logged)
-        history.append(epoch_record(engine, splits, tc, -1, 0))
-        log({"kind": "notice", "text": run_summary.DIAGNOSTICS_NOTICE})
-        if scored := task.metrics_model(cfg):  # e.g. the full model, when the release leaves a table out
-            log({"kind": "notice", "metrics_model": scored, "text": f"the losses and metrics here score {scored}"})
-        log({"kind": "start", "n_train": n, "n_units": None, "steps_per_epoch": per_epoch, "total_steps": total,
-             **start})
-    setup_s = time.perf_counter() - t_setup
-    stopped_by_budget = False
-    bar = tqdm(total=total, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
-    loss_acc = torch.zeros((), device=device)
-    acc_steps, acc_samples, t0 = 0, 0, time.perf_counter()
-    t_window, aside = t0, 0.0
-    while step < total:
-        epoch = step // per_epoch
-        if engine.exhausted():
-            stopped_by_budget = True
-            break
-        if acc_steps == 0:  # DP: reserve the interval in the journal before any of it can leave the process
-            engine.reserve(min(tc.log_every, total - step))
-        drawn = engine.sample(step)
-        loss_acc += engine.step(drawn, epoch).loss_sum
-        acc_samples += drawn.samples
-        step += 1
-        acc_steps += 1
-        bar.update(1)
-        end_of_epoch = step % per_epoch == 0 or step == total
-        if acc_steps == tc.log_every or end_of_epoch:
-            rec = {"kind": "interval", "step": step, "epoch": epoch, "samples": acc_samples,
-                   "train_loss": float(loss_acc) / max(acc_samples, 1),
-                   "samples_per_s": acc_samples / (time.perf_counter() - t_window),
-                   **engine.interval_stats(acc_steps, step)}
-            log(rec)
-            bar.set_postfix(loss=f"{rec['train_loss']:.4f}",
-                            **({"eps": f"{history[-1]['epsilon']:.3g}"} if "epsilon" in history[-1] else {}))
-            loss_acc.zero_()
-            acc_steps, acc_samples, t_window = 0, 0, time.perf_counter()
-        if end_of_epoch or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
-            t_aside = time.perf_counter()  # evaluation and checkpoints do not count as training time
-            if end_of_epoch:
-                record(epoch)
-            checkpoint()
-            aside += time.perf_counter() - t_aside
-            t_window += time.perf_counter() - t_aside
-    bar.close()
-    wall = elapsed + time.perf_counter() - t0 - aside  # training time: without evaluation and checkpoints
-    if acc_steps or stopped_by_budget or step == total:
-        if not history or history[-1]["step"] != step:
-            record(step // per_epoch)
-        if best and best["epoch"] != history[-1]["epoch"]:  # keep_best: end with the best epoch's weights
-            engine.module.load_state_dict(best["model"])
-            log({"kind": "kept_best", "epoch": best["epoch"], "valid_loss": best["valid_loss"]})
-        checkpoint()
-    engine.close()
-    rep = engine.report(stopped=stopped_by_budget)
-    summary = run_summary.summary(cfg, history, step=step, per_epoch=per_epoch, wall=wall, setup_s=setup_s, n=n,
-                                  st=rep.statement, unit_info=engine.unit_info,
-                                  kept_epoch=best.get("epoch") if tc.keep_best else None)
-    if rep.dp is not None:
-        summary["dp"] = rep.dp
-    engine.eval_model()  # the task's model holds the final weights
-    final = task.finish(cfg, out, built) if writer else {}
-    if final:
-        summary.update(final)
-        log({"kind": "eval", "step": step, **final})
-    metrics.close()
-    summary["wall_s"] = wall + aside + setup_s  # training + evaluation + checkpoints + setup
-    if writer:
-        write_json(out / "summary.json", summary)
-        plot_losses(history, out / "loss.png", title=rep.title)
-    if stopped_by_budget and writer:
-        print(f"widedp: stopped at step {step}: the next step would exceed dp.target_epsilon="
-              f"{engine.dp.target_epsilon} (checkpoint saved in {out})")  # type: ignore[union-attr]
-    return summary
+            write_json(out / "summary.json", summary)
+            plot_losses(s.history, out / "loss.png", title=rep.title)
+        if s.stopped_by_budget and writer:
+            print(f"widedp: stopped at step {s.step}: the next step would exceed dp.target_epsilon="
+                  f"{engine.dp.target_epsilon} (checkpoint saved in {out})")  # type: ignore[union-attr]
+        return summary
