@@ -5,7 +5,7 @@ pre-selection ``dp.preselect``. ``widedp.config`` re-exports them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import ClassVar, Literal, Protocol
 
 from widedp.config.tools import k_or_gamma, positive
 from widedp.errors import ConfigError
@@ -39,6 +39,7 @@ class GaussianThresholdSelectionConfig:
     """
 
     name: Literal["gaussian_threshold"] = "gaussian_threshold"
+    selector: ClassVar[str] = "widedp.dp.selection.gaussian:GaussianThresholdSelector"
     sigma: float = 5.0
     threshold: float | None = None
     threshold_sigmas: float | None = None
@@ -115,6 +116,7 @@ class ExponentialSelectionConfig:
     """
 
     name: Literal["exponential"] = "exponential"
+    selector: ClassVar[str] = "widedp.dp.selection.exponential:ExponentialSelector"
     k: int | None = None
     gamma: float | None = None
     epsilon: float = 1.0
@@ -156,6 +158,7 @@ class SparseVectorSelectionConfig:
     """
 
     name: Literal["sparse_vector"] = "sparse_vector"
+    selector: ClassVar[str] = "widedp.dp.selection.svt:SparseVectorSelector"
     epsilon: float = 1.0
     threshold: float = 0.05
     cutoff: int = 1
@@ -187,6 +190,7 @@ class UniformSelectionConfig:
     """k rows uniformly at random (data-independent, free). k or gamma as for exponential."""
 
     name: Literal["uniform"] = "uniform"
+    selector: ClassVar[str] = "widedp.dp.selection.free:UniformSelector"
     k: int | None = None
     gamma: float | None = None
 
@@ -203,6 +207,7 @@ class RandomSparsificationConfig:
     """
 
     name: Literal["random_sparsification"] = "random_sparsification"
+    selector: ClassVar[str] = "widedp.dp.selection.free:RandomSparsificationSelector"
     final_rate: float = 0.9
     gradual_cooling: bool = True
 
@@ -216,6 +221,7 @@ class AllRowsConfig:
     """Every row selected: DP-SGD on the same model."""
 
     name: Literal["all"] = "all"
+    selector: ClassVar[str] = "widedp.dp.selection.free:AllRowsSelector"
 
 
 #: ``dp.selection.method: fast`` meant "O(U + k), except brute force on small row spaces" (exponential) and
@@ -232,14 +238,15 @@ def refuse_renamed_method(name: str, raw: dict) -> None:
         raise ConfigError(f"dp.selection.method: 'fast' was renamed; use {_RENAMED_METHODS[name]}")
 
 
-SelectionConfig = (
-    ExponentialSelectionConfig
-    | SparseVectorSelectionConfig
-    | UniformSelectionConfig
-    | RandomSparsificationConfig
-    | AllRowsConfig
-    | GaussianThresholdSelectionConfig
-)
+class SelectionConfig(Protocol):
+    """What every ``dp.selection`` class has: its ``name`` and ``selector``, the import path of its selector class
+    (whose ``from_config(cfg, num_rows=R)`` builds it). A new mechanism is its selector file, its config class and
+    one line in ``SELECTIONS``."""
+
+    name: str
+    selector: ClassVar[str]
+
+
 SELECTIONS: dict[str, type] = {
     "exponential": ExponentialSelectionConfig,
     "sparse_vector": SparseVectorSelectionConfig,

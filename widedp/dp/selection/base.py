@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from widedp.dp.spend import Spend
+from widedp.errors import ConfigError
 
 #: ``sample_distinct`` draws by rejection when 4·(n + excluded) <= R (acceptance >= 3/4), else from a permutation.
 _DENSE_FACTOR = 4
@@ -108,3 +109,12 @@ def member(x: Tensor, sorted_set: Tensor) -> Tensor:
 def dense_scores(touched: Tensor, scores: Tensor, num_rows: int) -> Tensor:
     """[R] scores of all rows (0 where untouched) — O(R): brute-force references only."""
     return scores.new_zeros(num_rows).index_copy_(0, touched, scores)
+
+
+def num_picks(cfg: Any, num_rows: int) -> int:
+    """k of a config with ``k`` or ``gamma`` (the fraction of the R = ``num_rows`` rows); k <= R."""
+    k = cfg.k if cfg.k is not None else max(1, round(cfg.gamma * num_rows))
+    if k > num_rows:
+        raise ConfigError(f"dp.selection.k: {k} exceeds the number of rows R={num_rows}")
+    return k
+

@@ -13,12 +13,20 @@ Methods, all with the same output law (R = rows the selector ranges over, U = ro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from widedp.dp.noise import exponential, gumbel
-from widedp.dp.selection.base import _DENSE_FACTOR, ScoreKind, SelectionContext, dense_scores, sample_distinct
+from widedp.dp.selection.base import (
+    _DENSE_FACTOR,
+    ScoreKind,
+    SelectionContext,
+    dense_scores,
+    num_picks,
+    sample_distinct,
+)
 from widedp.dp.spend import ExponentialSpend, Spend
 
 #: ``auto`` perturbs all rows up to this many (the same law, fewer ops there; measured).
@@ -68,6 +76,12 @@ class ExponentialSelector:
     def __post_init__(self) -> None:
         if self.method not in ("auto", "sparse", "brute"):
             raise ValueError(f"method: expected auto, sparse or brute, got {self.method!r}")
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, num_rows: int) -> ExponentialSelector:
+        """From ``ExponentialSelectionConfig`` over R = ``num_rows`` rows."""
+        return cls(k=num_picks(cfg, num_rows), epsilon=cfg.epsilon, score_clip=cfg.score_clip, method=cfg.method,
+                   score_kind=cfg.score)
 
     def key_scale(self, score_sensitivity: float) -> float:
         """The factor of u_r in the Gumbel keys: ε'' / (2Δu)."""

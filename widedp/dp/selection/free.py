@@ -4,12 +4,13 @@ every row (DP-SGD). They read no scores and spend nothing."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from widedp.dp import rng
-from widedp.dp.selection.base import ScoreKind, SelectionContext, sample_distinct
+from widedp.dp.selection.base import ScoreKind, SelectionContext, num_picks, sample_distinct
 from widedp.dp.spend import FreeSpend, Spend
 
 
@@ -20,6 +21,10 @@ class UniformSelector:
     k: int
     score_clip: float | None = None  # no scores used
     score_kind: ScoreKind = "none"
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, num_rows: int) -> UniformSelector:
+        return cls(k=num_picks(cfg, num_rows))
 
     def spend(self) -> Spend:
         return FreeSpend("uniform")
@@ -49,6 +54,10 @@ class RandomSparsificationSelector:
             return self.final_rate
         return self.final_rate * ctx.epoch / (ctx.num_epochs - 1)
 
+    @classmethod
+    def from_config(cls, cfg: Any, *, num_rows: int) -> RandomSparsificationSelector:
+        return cls(final_rate=cfg.final_rate, gradual_cooling=cfg.gradual_cooling)
+
     def spend(self) -> Spend:
         return FreeSpend("random_sparsification")
 
@@ -72,6 +81,10 @@ class AllRowsSelector:
     score_clip: float | None = None  # no scores used
     score_kind: ScoreKind = "none"
     _all: Tensor | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, num_rows: int) -> AllRowsSelector:
+        return cls()
 
     def spend(self) -> Spend:
         return FreeSpend("all")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -87,6 +88,11 @@ class GaussianThresholdSelector:
     max_rows: int | None = None
     score_kind: ScoreKind = "contribution"
     score_clip: float | None = None  # contribution counts are not clipped: their ℓ2 sensitivity is 1
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, num_rows: int) -> GaussianThresholdSelector:
+        """From ``GaussianThresholdSelectionConfig`` (τ in count units)."""
+        return cls(sigma=cfg.sigma, threshold=cfg.tau, max_rows=cfg.max_rows)
 
     def spend(self) -> Spend:
         return GaussianSelectionSpend(noise_multiplier=self.sigma, sensitivity=CONTRIBUTION_SENSITIVITY)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -155,6 +156,14 @@ class SparseVectorSelector:
     def __post_init__(self) -> None:
         if self.method not in ("sparse", "brute"):
             raise ValueError(f"method: expected sparse or brute, got {self.method!r}")
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, num_rows: int) -> SparseVectorSelector:
+        """From ``SparseVectorSelectionConfig`` (R does not enter)."""
+        return cls(epsilon=cfg.epsilon, threshold=cfg.threshold, cutoff=cfg.cutoff,
+                   threshold_fraction=cfg.threshold_fraction, score_clip=cfg.score_clip,
+                   release_values=cfg.release_values, epsilon_release=cfg.epsilon_release, method=cfg.method,
+                   score_kind=cfg.score)
 
     def spend(self) -> Spend:
         return SparseVectorSpend(epsilon=self.epsilon, cutoff=self.cutoff,
