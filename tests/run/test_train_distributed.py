@@ -277,10 +277,10 @@ def test_refused_keys_are_named(over, key):
 
 
 def test_module_task_has_no_sharded_model():
-    from widedp.tasks import get_task
+    from widedp.run.engines.sharded import shard_model
 
     with pytest.raises(ConfigError, match="task: module has no sharded model"):
-        get_task("module").shard(None, 0, 2)
+        shard_model("module", None, 0, 2)
 
 
 def test_shard_files_are_checked(tmp_path):

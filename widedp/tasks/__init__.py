@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from widedp.accounting.statement import UnitFacts
 from widedp.errors import ConfigError
-from widedp.tasks.protocol import AlgorithmTask, Built, OpacusParts, Shape, Task
+from widedp.tasks.protocol import AlgorithmTask, Built, Shape, Task
 
-__all__ = ["TASKS", "AlgorithmTask", "Built", "OpacusParts", "Shape", "Task", "UnitFacts", "get_task", "loop_task"]
+__all__ = ["TASKS", "AlgorithmTask", "Built", "Shape", "Task", "UnitFacts", "get_task", "loop_task"]
 
 
 def _cbow() -> Task:

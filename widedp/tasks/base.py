@@ -12,7 +12,7 @@ from widedp.accounting.statement import UnitFacts
 from widedp.dp import units
 from widedp.dp.optim import make_row_optimizer
 from widedp.errors import ConfigError
-from widedp.tasks.protocol import Built, OpacusParts, Shape
+from widedp.tasks.protocol import Built, Shape
 
 
 class LoopTask:
@@ -58,13 +58,6 @@ class LoopTask:
     def row_optimizer(self, cfg: Any, model: Any) -> Any:
         tc = cfg.train
         return make_row_optimizer(tc.optimizer, model.row_tables(), lr=tc.lr, betas=tc.betas, eps=tc.eps)
-
-    def opacus(self, cfg: Any, built: Built) -> OpacusParts:
-        raise ConfigError(f"dp.engine: opacus is the DP-SGD baseline of task cbow; task {self.name} trains with "
-                          "dp.engine: widedp")
-
-    def shard(self, model: Any, rank: int, world: int) -> Any:
-        raise ConfigError(f"task: {self.name} has no sharded model; several processes train tasks cbow and recsys")
 
     def warn(self, cfg: Any) -> None:
         pass

@@ -25,7 +25,7 @@ from widedp.dp import vocab as vocab_dp
 from widedp.errors import ConfigError
 from widedp.models.cbow import CBOW, CBOWBatch
 from widedp.tasks.base import LoopTask
-from widedp.tasks.protocol import Built, OpacusParts, Shape
+from widedp.tasks.protocol import Built, Shape
 
 VOCAB_NOT_COVERED = ("vocabulary not private: the vocabulary (the top-V words of the training corpus by count, ties "
                      "at the cut included) and the negative-sampling distribution (their counts)")
@@ -220,27 +220,6 @@ class CBOWTask(LoopTask):
         elif vocabulary.startswith("file:"):
             includes = ("the vocabulary: a public word list (data.vocabulary: file:PATH), nothing private spent on it",)
         return UnitFacts(unit, gaps, includes)
-
-    def opacus(self, cfg: Config, built: Built) -> OpacusParts:
-        """``OpacusCBOW`` (``nn.Embedding`` only) with the built CBOW's weights; evaluation copies them back."""
-        from widedp.models.cbow_opacus import OpacusCBOW
-
-        model = built.model
-
-        def sync(module: torch.nn.Module) -> CBOW:
-            model.load_state_dict(module.state_dict())
-            return model
-
-        return OpacusParts(OpacusCBOW.from_cbow(model), SplitDataset(built.splits["train"]), sync)
-
-    def shard(self, model: CBOW, rank: int, world: int) -> Any:
-        """``ShardedCBOW``: rank ``rank`` of ``world``'s row blocks of the input (and output) table."""
-        from widedp.models.cbow_sharded import ShardedCBOW, cbow_shard
-
-        try:
-            return ShardedCBOW(model, cbow_shard(model, rank, world))
-        except ValueError as e:
-            raise ConfigError(f"data.vocab_size: {e}") from None
 
     def warn(self, cfg: Config) -> None:
         """``data.vocabulary: private_top`` with DP: say on stderr that the vocabulary is not private."""

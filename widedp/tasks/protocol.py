@@ -9,7 +9,6 @@ What a ``Task.build`` returns (``Built``): splits ``train`` / ``valid`` / ``test
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -38,17 +37,6 @@ class Shape:
     num_rows: int
     train: Any = None
     notes: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class OpacusParts:
-    """What the Opacus baseline engine trains: ``module`` (``module(*items) -> [B]`` losses, Opacus-hookable layers
-    only), the train split as a map-style ``dataset`` whose ``__getitems__`` returns a tuple of tensors, and
-    ``sync(module)``: the task's model with the module's weights (for evaluation)."""
-
-    module: torch.nn.Module
-    dataset: Any
-    sync: Callable[[torch.nn.Module], Any]
 
 
 class Task(Protocol):
@@ -83,15 +71,6 @@ class Task(Protocol):
 
     def row_optimizer(self, cfg: Any, model: Any) -> Any:
         """The DP update: ``step(SparseRows)``, ``state_dict()``, ``load_state_dict()``."""
-
-    def opacus(self, cfg: Any, built: Built) -> OpacusParts:
-        """The Opacus baseline's module and dataset (``dp.engine: opacus``), or a ConfigError."""
-
-    def shard(self, model: Any, rank: int, world: int) -> Any:
-        """Rank ``rank`` of ``world``'s row blocks of ``model`` (training on several processes,
-        ``widedp.run.engines.sharded``): ``shard`` (a ``widedp.dp.layout.RowShard``), ``local_tables()``,
-        ``per_sample_row_grads(batch) -> (loss [B], own rows then the replicated ones)``, a collective forward; or a
-        ConfigError."""
 
     def warn(self, cfg: Any) -> None:
         """Warnings on stderr, once the run is set up (a config error stays one line)."""

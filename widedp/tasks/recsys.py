@@ -163,15 +163,6 @@ class RecsysTask(LoopTask):
              "rows by position",) if d.max_interactions else ())
         return UnitFacts(unit, gaps)
 
-    def shard(self, model: RecsysModel, rank: int, world: int) -> Any:
-        """``ShardedRecsys``: rank ``rank`` of ``world``'s row block of every table, the MLP rows replicated."""
-        from widedp.models.recsys_sharded import ShardedRecsys, shard_of
-
-        try:
-            return ShardedRecsys(model, shard_of(model, rank, world))
-        except ValueError as e:
-            raise ConfigError(f"data: {e}") from None
-
     def metrics_model(self, cfg: Config) -> str:
         """Which model the run's losses and metrics score: the released one, or (a table withheld from the release)
         the full model the data holder keeps, with ``release_*`` metrics for the released parts alone."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -65,6 +66,44 @@ def _quiet(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return wrapped  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class OpacusParts:
+    """What the Opacus baseline engine trains: ``module`` (``module(*items) -> [B]`` losses, Opacus-hookable layers
+    only), the train split as a map-style ``dataset`` whose ``__getitems__`` returns a tuple of tensors, and
+    ``sync(module)``: the task's model with the module's weights (for evaluation)."""
+
+    module: torch.nn.Module
+    dataset: Any
+    sync: Callable[[torch.nn.Module], Any]
+
+
+def _cbow_parts(cfg: Config, built: Built) -> OpacusParts:
+    """``OpacusCBOW`` (``nn.Embedding`` only) with the built CBOW's weights; evaluation copies them back."""
+    from widedp.models.cbow_opacus import OpacusCBOW
+    from widedp.tasks.cbow import SplitDataset
+
+    model = built.model
+
+    def sync(module: torch.nn.Module) -> Any:
+        model.load_state_dict(module.state_dict())
+        return model
+
+    return OpacusParts(OpacusCBOW.from_cbow(model), SplitDataset(built.splits["train"]), sync)
+
+
+#: The tasks the Opacus baseline trains, and how it adapts each one's built model and data.
+OPACUS_PARTS: dict[str, Callable[[Config, Built], OpacusParts]] = {"cbow": _cbow_parts}
+
+
+def opacus_parts(cfg: Config, built: Built) -> OpacusParts:
+    """The Opacus module and dataset of ``cfg.task``, or a ConfigError naming the tasks it trains."""
+    adapt = OPACUS_PARTS.get(cfg.task)
+    if adapt is None:
+        raise ConfigError(f"dp.engine: opacus is the DP-SGD baseline of task {', '.join(OPACUS_PARTS)}; task "
+                          f"{cfg.task} trains with dp.engine: widedp")
+    return adapt(cfg, built)
 
 
 def check_opacus_config(cfg: Config) -> None:
@@ -132,7 +171,7 @@ class OpacusEngine(PrivateEngine):
     @_quiet
     def setup(self, built: Built, task: Task) -> None:
         cfg, tc = self.cfg, self.cfg.train
-        parts = task.opacus(cfg, built)
+        parts = opacus_parts(cfg, built)
         self.facts = statement.for_config(task.privacy(cfg), cfg)
         self.module, self._sync = parts.module, parts.sync
         n, b = len(parts.dataset), tc.batch_size

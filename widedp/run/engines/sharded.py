@@ -26,6 +26,7 @@ refuses (``RowBlocks.refuses``: ``dp.preselect``; ``widedp.dp.layout.check_optio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,40 @@ from widedp.run.engines.sparse import SparseDPEngine
 from widedp.tasks.protocol import Built, Task
 
 _MODES = ("secure", "reproducible")
+
+
+def _shard_cbow(model: Any, rank: int, world: int) -> Any:
+    """``ShardedCBOW``: rank ``rank`` of ``world``'s row blocks of the input (and output) table."""
+    from widedp.models.cbow_sharded import ShardedCBOW, cbow_shard
+
+    try:
+        return ShardedCBOW(model, cbow_shard(model, rank, world))
+    except ValueError as e:
+        raise ConfigError(f"data.vocab_size: {e}") from None
+
+
+def _shard_recsys(model: Any, rank: int, world: int) -> Any:
+    """``ShardedRecsys``: rank ``rank`` of ``world``'s row block of every table, the MLP rows replicated."""
+    from widedp.models.recsys_sharded import ShardedRecsys, shard_of
+
+    try:
+        return ShardedRecsys(model, shard_of(model, rank, world))
+    except ValueError as e:
+        raise ConfigError(f"data: {e}") from None
+
+
+#: The tasks several processes train, and how each one's model is cut into this rank's row blocks: ``shard`` (a
+#: ``widedp.dp.layout.RowShard``), ``local_tables()``, ``per_sample_row_grads(batch) -> (loss [B], own rows then the
+#: replicated ones)``, a collective forward.
+SHARDERS: dict[str, Callable[[Any, int, int], Any]] = {"cbow": _shard_cbow, "recsys": _shard_recsys}
+
+
+def shard_model(task: str, model: Any, rank: int, world: int) -> Any:
+    """Rank ``rank`` of ``world``'s part of ``task``'s ``model``, or a ConfigError naming the tasks it shards."""
+    shard = SHARDERS.get(task)
+    if shard is None:
+        raise ConfigError(f"task: {task} has no sharded model; several processes train tasks {' and '.join(SHARDERS)}")
+    return shard(model, rank, world)
 
 
 def check_shardable(cfg: Config) -> None:
@@ -90,7 +125,7 @@ class ShardedDPEngine(SparseDPEngine):
         return rng.RunSeeds(sampling=sampling, noise=noise, mode=_MODES[mode]), bool(replayable)
 
     def setup(self, built: Built, task: Task) -> None:
-        self.sharded = task.shard(built.model, self.rank, self.world)
+        self.sharded = shard_model(self.cfg.task, built.model, self.rank, self.world)
         self.shared_gen = torch.Generator(device=self.device)
         self.row_layout = RowBlocks(self.sharded.shard, shared=self.shared_gen)
         super().setup(built, task)
