@@ -23,8 +23,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from widedp.commands.compare import load_sweep, run_dir
 from widedp.run.checkpoint import read_json, write_json
-from widedp.run.compare import load_sweep, run_dir
 from widedp.run.train import train
 
 

@@ -1,4 +1,4 @@
-"""The fused native step (widedp.native, issue 17) vs the PyTorch reference path, measured in the same run.
+"""The fused native step (widedp.native) vs the PyTorch reference path, measured in the same run.
 
     NLTK_DATA=../shared/nltk_data .venv/bin/python bench/bench_native.py                   # both parts
     NLTK_DATA=../shared/nltk_data .venv/bin/python bench/bench_native.py --part paper --steps 3000

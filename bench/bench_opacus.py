@@ -96,7 +96,7 @@ def part_a(steps: int, log_every: int, cache_dir: str | None, full_run: bool) ->
         r["x_opacus"] = r["samples_per_s"] / base
     out: dict[str, Any] = {"cases": res}
     if full_run:
-        from widedp.run.compare import load_sweep
+        from widedp.commands.compare import load_sweep
 
         sweep = load_sweep(ROOT / "configs" / "paper_fig1.yaml",
                            [f"data.cache_dir={cache_dir}"] if cache_dir else [])
@@ -160,7 +160,7 @@ def _opacus_child(case: str, data: Any, V: int, D: int, b: int, steps: int) -> d
     from torch.utils.data import DataLoader
 
     from widedp.models.cbow_opacus import OpacusCBOW, PerSampleLoss
-    from widedp.run.engines.opacus_baseline import as_is as _as_is
+    from widedp.run.trainers.opacus_baseline import as_is as _as_is
     from widedp.tasks.cbow import SplitDataset, SplitTensors
 
     ds = SplitDataset(SplitTensors.of(data.train, torch.device("cpu")))

@@ -7,10 +7,10 @@
 Each (implementation, n, b) runs in its own subprocess (1 torch thread), so peak RSS is that process's ru_maxrss:
 it draws ``--steps`` consecutive batches (whole chunks of 1024 steps) and reports ms/step (wall time of the draws,
 chunk draws included, over the steps), the peak RSS over the process's RSS before the first draw, and the bytes of
-tensor storage one chunk's batches keep alive. ``old`` is the sampler before issue 17: a step whose i.i.d. ids
+tensor storage one chunk's batches keep alive. ``old`` is the sampler before the fused step: a step whose i.i.d. ids
 collide was redrawn as ``randperm(n)[:m]``, a slice that keeps the whole n-long permutation alive.
 ``--job STEPS`` also runs the README's default job (``widedp train configs/brown_cbow_sparse_exp.yaml``: n=200K,
-b=1000) for STEPS steps with each sampler (``widedp.run.engines.sparse.PoissonSampler`` replaced by the old one),
+b=1000) for STEPS steps with each sampler (``widedp.run.trainers.sparse.PoissonSampler`` replaced by the old one),
 in its own subprocess: peak RSS, the process's CPU seconds (user + system) and the summary's training samples/s.
 """
 
@@ -84,7 +84,7 @@ def one_case(impl: str, n: int, b: int, steps: int) -> dict:
 def one_job(impl: str, steps: int, out: str) -> dict:
     """Runs inside a subprocess: the default job through the CLI, for ``steps`` steps."""
     from widedp.cli import main as cli_main
-    from widedp.run.engines import sparse as engine
+    from widedp.run.trainers import sparse as engine
 
     if impl == "old":
         engine.PoissonSampler = OldPoissonSampler  # type: ignore[misc]

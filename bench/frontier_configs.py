@@ -1,4 +1,4 @@
-"""Write the privacy-utility frontier sweeps (issue 13): configs/frontier_{v1k,v10k,full}.yaml (the whole grid per
+"""Write the privacy-utility frontier sweeps: configs/frontier_{v1k,v10k,full}.yaml (the whole grid per
 V) and configs/frontier_v10k_eps8.yaml, configs/frontier_full_eps8.yaml (the cells that decide the issue's targets).
 
     .venv/bin/python bench/frontier_configs.py            # regenerates every file (seconds)
@@ -20,7 +20,7 @@ parameters fixed per cell. "Budget split" f is how the selection's share of the 
 The ``_eps8`` files hold, in run order, what decides the targets at eps = 8: DP-SGD (lr grid), the pre-selection
 cells, gaussian_threshold (its grid), exponential k = 2000 (reference), non-private; the whole-Brown one DP-SGD at
 the lr that won at V = 10K, gaussian_threshold at the V = 10K winner (f = 0.25, tau = sigma_sel), the pre-selection
-with half of K = R/2 per table, non-private (sparse Adam, b = 1000). Results: docs/results.md (issue 13);
+with half of K = R/2 per table, non-private (sparse Adam, b = 1000). Results: docs/results.md;
 tabulate and plot finished cells with bench/frontier_results.py.
 Pick each mechanism's best cell by VALIDATION loss (never test), then add ``seeds: [0, 1]`` to that cell and rerun
 the sweep (finished seeds are reused).
@@ -161,7 +161,7 @@ def cells(v: str) -> list[dict]:
             add(f"random_sparsification-{tag}-r{r:g}", "brown_cbow_random_sparsification.yaml",
                 {"dp.target_epsilon": eps,
                  "dp.selection": {"name": "random_sparsification", "final_rate": r, "gradual_cooling": True}})
-        # without cooling: the same share of rows every step (r = 0.75: 1/4 of the rows, issue 13's row budget)
+        # without cooling: the same share of rows every step (r = 0.75: 1/4 of the rows, the frontier's row budget)
         for lr in (5e-3, 3e-3, 1e-2):
             add(f"random_sparsification-{tag}-r0.75-nocool" + ("" if lr == 5e-3 else f"-lr{lr:g}"),
                 "brown_cbow_random_sparsification.yaml",
@@ -267,7 +267,8 @@ def sweep(v: str, only: list[str] | None = None, tag: str = "eps8") -> tuple[str
               for eps in epsilons if any(f"-eps{eps}-" in r["name"] for r in runs)}
     header = (
         f"# Privacy-utility frontier, {st['title']} — written by bench/frontier_configs.py (edit that, not this).\n"
-        + ("# Only the eps = 8 cells that decide issue 13's targets, in run order.\n" if only and tag == "eps8" else "")
+        + ("# Only the eps = 8 cells that decide the frontier's targets, in run order.\n"
+           if only and tag == "eps8" else "")
         + (f"# Only the pooled-negative cells at eps = 1 and 3 (cells of configs/frontier_{v}.yaml: run with\n"
            f"# --out runs/frontier_{v}).\n" if tag == "pool" else "")
         + "# Every DP cell at target epsilon in {1, 3, 8}, delta 1e-5 (add/remove one pair, PLD), sigma calibrated;\n"

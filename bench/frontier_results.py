@@ -1,4 +1,4 @@
-"""Tabulate (and plot) the privacy-utility frontier runs (issue 13) from their run directories.
+"""Tabulate (and plot) the privacy-utility frontier runs from their run directories.
 
     .venv/bin/python bench/frontier_results.py runs/frontier_v10k_eps8 runs/frontier_full_eps8 \
         --json docs/frontier.json --png docs/frontier.png

@@ -253,8 +253,8 @@ def _can_resume(run_dir: Path, info: dict[str, Any]) -> bool:
 
 def load_canary_run(run_dir: Path, *, device: str | None = None) -> CanaryRun:
     """Load a run directory's model (checkpoint.pt), vocab.json and canaries.json; ConfigError when one is missing."""
+    from widedp.distributed.ranks import resolve_device
     from widedp.models.cbow import CBOW
-    from widedp.run.ranks import resolve_device
     from widedp.run.train import load_run_config
 
     if not run_dir.is_dir():

@@ -136,7 +136,7 @@ class CBOW(nn.Module):
         sample (repeated negatives or context ids; a negative equal to a context word when tied) are summed. Run
         it under ``torch.inference_mode()`` for speed; the returned tensors do not require grad. A NaN or an inf in
         a row a sample uses stays in that sample's loss and gradients (every op is per sample); ``dp_step`` zeroes
-        such a sample (issue 16).
+        such a sample.
 
         ``fused``: the whole computation as one native CPU call (``widedp.native.cbow_row_grads``; None: when
         available; False: these PyTorch ops, the reference): the same rows and offsets, values within 1e-6.

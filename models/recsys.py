@@ -332,7 +332,7 @@ class RecsysModel(nn.Module):
 
         Returns rows sorted by (sample, row), unique within a sample, every sample's A dense rows last. A NaN or an
         inf a sample looks up (a table row, the MLP) stays in that sample's loss and gradients: every op here is
-        per sample, and ``dp_step`` zeroes such a sample (issue 16).
+        per sample, and ``dp_step`` zeroes such a sample.
         """
         B = len(batch)
         e = self.pooled(batch.kjt).detach()

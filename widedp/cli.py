@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         tune_malloc()  # before the first large allocation (widedp.allocator)
         return _run(args)
     except ConfigError as e:
-        from widedp.run import ranks
+        from widedp.distributed import ranks
 
         if ranks.reports_errors():  # (on several processes rank 0 says it: the ranks raise the same error)
             print(f"widedp: error: {e}", file=sys.stderr)
@@ -169,7 +169,7 @@ def _progress(args: argparse.Namespace) -> bool:
 def _train(args: argparse.Namespace) -> int:
     """``widedp train``: one process, ``--nproc`` launched ranks, or one rank of them; prints the summary line."""
     from widedp.config import load_config
-    from widedp.run import ranks
+    from widedp.distributed import ranks
     from widedp.run.train import default_out, train, train_rank
     from widedp.tasks import get_task
 
@@ -185,7 +185,7 @@ def _train(args: argparse.Namespace) -> int:
         run_dir = Path(args.out) if args.out else default_out(args.config)
     progress = _progress(args)
     if args.nproc is not None and args.nproc != 1:
-        from widedp.run.launch import launch
+        from widedp.distributed.launch import launch
 
         return launch(args.nproc, _train_argv(args))
     if ranks.env_world() > 1:  # one rank of torchrun's (or --nproc's) processes
@@ -209,8 +209,8 @@ def _train(args: argparse.Namespace) -> int:
 
 def _epsilon(args: argparse.Namespace) -> int:
     """``widedp epsilon``: the config's privacy report, as JSON."""
+    from widedp.commands.epsilon import epsilon_report
     from widedp.config import load_config
-    from widedp.run.epsilon import epsilon_report
 
     rep = epsilon_report(load_config(args.config, args.overrides))
     print(json.dumps(rep, indent=2, ensure_ascii=False))
@@ -219,7 +219,7 @@ def _epsilon(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     """``widedp export``: write a run's release; prints its folder."""
-    from widedp.run.export import export_release
+    from widedp.commands.export import export_release
 
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else run_dir / "release"
@@ -246,7 +246,7 @@ def _audit(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     """``widedp compare``: train a sweep; prints its results table."""
-    from widedp.run.compare import compare
+    from widedp.commands.compare import compare
     from widedp.run.train import default_out
 
     out = Path(args.out) if args.out else default_out(args.sweep)

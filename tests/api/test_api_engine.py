@@ -354,7 +354,7 @@ def test_optimizer_mapping_and_scheduler():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_short_dp_run_on_cuda_learns_and_states_the_cpu_epsilon():
-    """The same run as ``test_short_dp_run_learns`` with the model and data on CUDA (issue 15)."""
+    """The same run as ``test_short_dp_run_learns`` with the model and data on CUDA."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 100, (2000, 1), generator=g).cuda()
     y = (ids[:, 0] < 50).long()

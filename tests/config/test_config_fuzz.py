@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the config loader (issue 14): whatever the input, the result is a ``Config`` or a
+"""Property-based fuzzing of the config loader: whatever the input, the result is a ``Config`` or a
 one-line ``ConfigError`` naming the key, never another exception.
 
 Random nested values mix the real section / field / literal names with junk so that they reach deep into the

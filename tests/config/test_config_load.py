@@ -1,4 +1,4 @@
-"""Config files and ``--set`` overrides (issue 14): bad input is a one-line ConfigError naming the key."""
+"""Config files and ``--set`` overrides: bad input is a one-line ConfigError naming the key."""
 
 from pathlib import Path
 

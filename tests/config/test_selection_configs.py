@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from widedp.commands.compare import load_sweep
 from widedp.config import config_from_dict, load_config
 from widedp.errors import ConfigError
-from widedp.run.compare import load_sweep
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -1,4 +1,4 @@
-"""Sensitivity search for every convex mechanism (issue 16 §3): over random and adversarial neighbouring datasets
+"""Sensitivity search for every convex mechanism: over random and adversarial neighbouring datasets
 D, D' = D +- one example (signed features, large norms, clipped examples, conflicting labels), the quantity each
 mechanism noises, computed on D and on D' exactly as the code computes it (each with its own size n), never moves
 by more than the sensitivity the code charges (read from its ledger / info). Each mechanism that divides by the

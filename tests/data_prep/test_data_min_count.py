@@ -1,4 +1,4 @@
-"""``data.min_count`` and the whole-Brown preset ``brown_full`` (issue 13): the vocabulary is every word occurring at
+"""``data.min_count`` and the whole-Brown preset ``brown_full``: the vocabulary is every word occurring at
 least min_count times after the filters (at most vocab_size of them)."""
 
 from __future__ import annotations

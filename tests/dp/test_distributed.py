@@ -55,12 +55,12 @@ def _worker(rank: int, port: int) -> None:
         GaussianThresholdSelectionConfig,
         UniformSelectionConfig,
     )
+    from widedp.distributed.ranks import init_process_group
     from widedp.dp.layout import RowBlocks, RowShard, sharded_gumbel_topk
     from widedp.dp.optim import make_row_optimizer
     from widedp.dp.selection import SelectionContext, make_selector
     from widedp.dp.step import dp_step
     from widedp.models.recsys_sharded import shard_of
-    from widedp.run.ranks import init_process_group
 
     init_process_group(rank, WORLD, port=port, backend="gloo")
     ctx = SelectionContext(epoch=0, num_epochs=1)
@@ -204,6 +204,6 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_two_processes_match_single_process():
-    from widedp.run.ranks import free_port
+    from widedp.distributed.ranks import free_port
 
     mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

@@ -140,7 +140,7 @@ def test_resume_without_private_keeps_journaled_spend(tmp_path, monkeypatch, cap
 def test_resume_with_seeds_but_lost_generator_states_draws_fresh_randomness(tmp_path, monkeypatch, capsys):
     """private/seeds.json kept, rng-STEP.pt lost: restarting the generators from the seeds would redraw step 0's
     noise (and the lost steps' batches) at step 60; the run must take fresh seeds instead, and the lost steps stay
-    spent (audit, session 21)."""
+    spent (audit)."""
     import widedp.dp.step as step_mod
 
     noise: list[torch.Tensor] = []
@@ -241,7 +241,7 @@ def test_api_load_private_refuses_a_damaged_state(tmp_path):
 
 def test_every_bit_of_a_seed_matters():
     """torch's CPU generator keeps only the low 32 bits of manual_seed: 2^32 guesses would rebuild a secret stream.
-    rng.generator fills its whole state from the 62-bit seed (audit, session 21)."""
+    rng.generator fills its whole state from the 62-bit seed (audit)."""
     s = (1 << 61) + 12345
     twin = s + (1 << 40)  # the same low 32 bits
     plain = [torch.randn(4, generator=torch.Generator().manual_seed(x)) for x in (s, twin)]

@@ -320,9 +320,9 @@ def _distributed_worker(rank: int, port: int) -> None:
     import torch.distributed as dist
     from distributed_toy import single_and_sharded, tiny_recsys
 
+    from widedp.distributed.ranks import init_process_group
     from widedp.dp.layout import RowBlocks
     from widedp.dp.selection import SelectionContext
-    from widedp.run.ranks import init_process_group
 
     init_process_group(rank, 2, port=port, backend="gloo")
     data, split, mcfg = tiny_recsys()
@@ -363,6 +363,6 @@ def test_secure_noise_on_two_processes():
     release broadcast from rank 0, and the single-process spend."""
     import torch.multiprocessing as mp
 
-    from widedp.run.ranks import free_port
+    from widedp.distributed.ranks import free_port
 
     mp.spawn(_distributed_worker, args=(free_port(),), nprocs=2, join=True)

@@ -148,7 +148,7 @@ def test_spend_stats_and_reproducibility():
     assert st.rows_selected == 4
     assert all(isinstance(x, torch.Tensor) and x.dim() == 0 for x in (st.touched_share, st.clipped1, st.clipped2,
                                                                       st.nonfinite))
-    assert not hasattr(st, "noise_norm")  # issue 16: with one released value it tells membership apart
+    assert not hasattr(st, "noise_norm")  # with one released value it tells membership apart
     _, was = dense_ghat(g, clip1=clip1, b=b)
     touched = set(g.rows.tolist())
     f = st.as_floats()

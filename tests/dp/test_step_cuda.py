@@ -1,4 +1,4 @@
-"""The DP step on CUDA (issue 15): every selector's picks in law against the CPU's, the noise's scale, the Triton
+"""The DP step on CUDA: every selector's picks in law against the CPU's, the noise's scale, the Triton
 clip + aggregate inside the step, and the host-sync proxy (``HostSyncs``) against CUDA's own sync detector.
 Skipped without CUDA; run on the GPU machine."""
 

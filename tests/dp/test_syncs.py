@@ -1,4 +1,4 @@
-"""Host syncs of the DP step, counted on the CPU by ``HostSyncs`` (issue 15): the counter itself, then the step."""
+"""Host syncs of the DP step, counted on the CPU by ``HostSyncs``: the counter itself, then the step."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Privacy units (issue 11): grouping and the cap, Poisson sampling over units, per-unit clipping and its
+"""Privacy units: grouping and the cap, Poisson sampling over units, per-unit clipping and its
 sensitivity (widedp.dp.units)."""
 
 import dataclasses

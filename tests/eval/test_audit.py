@@ -122,7 +122,7 @@ def _patch_dp_step(monkeypatch, wrapper) -> None:
     import pkgutil
     import sys
 
-    import widedp.run.engines as engines
+    import widedp.run.trainers as engines
 
     for info in pkgutil.iter_modules(engines.__path__, engines.__name__ + "."):
         with contextlib.suppress(ImportError):  # (an optional dependency: not the engine under test)
@@ -225,7 +225,7 @@ def test_secret_coins_are_fair_bits():
 
 
 def test_compare_shows_the_audit_column(tmp_path):
-    from widedp.run.compare import load_sweep, results_markdown, run_dir, summarize
+    from widedp.commands.compare import load_sweep, results_markdown, run_dir, summarize
 
     (tmp_path / "base.yaml").write_text("data: {preset: paper}\ntrain: {epochs: 1}\n")
     (tmp_path / "sweep.yaml").write_text("runs: [{name: a, config: base.yaml}, {name: b, config: base.yaml}]\n")

@@ -1,4 +1,4 @@
-"""The canary figure: one y-scale, the Secret Sharer's rank on the x-axis (issue 14)."""
+"""The canary figure: one y-scale, the Secret Sharer's rank on the x-axis."""
 
 import numpy as np
 

@@ -36,12 +36,12 @@ def _gather_rows(g, num_rows: int) -> torch.Tensor:
 def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     from widedp.config import AllRowsConfig
+    from widedp.distributed.ranks import init_process_group
     from widedp.dp.layout import RowBlocks
     from widedp.dp.selection import SelectionContext, make_selector
     from widedp.dp.step import dp_step
     from widedp.models.cbow import CBOW
     from widedp.models.cbow_sharded import ShardedCBOW, cbow_shard
-    from widedp.run.ranks import init_process_group
 
     init_process_group(rank, WORLD, port=port, backend="gloo")
     torch.set_default_dtype(torch.float64)
@@ -77,6 +77,6 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_sharded_cbow_matches_single_process():
-    from widedp.run.ranks import free_port
+    from widedp.distributed.ranks import free_port
 
     mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

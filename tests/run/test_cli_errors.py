@@ -1,4 +1,4 @@
-"""Malformed input through the CLI, table-driven (issue 14): every case exits 2 with exactly one line on stderr that
+"""Malformed input through the CLI, table-driven: every case exits 2 with exactly one line on stderr that
 names the problem, no traceback, and leaves no run directory half-written (a new run's --out holds no run files; a
 resumed or exported run is byte-for-byte unchanged)."""
 
@@ -181,7 +181,7 @@ CASES = {
 }
 
 
-#: cases whose one line does not name the problem yet; the fix is outside the CLI (issue 14 report)
+#: cases whose one line does not name the problem yet; the fix is outside the CLI
 XFAIL = {
 }
 

@@ -1,4 +1,4 @@
-"""A run directory is never clobbered silently and never written by two processes at once (issue 14)."""
+"""A run directory is never clobbered silently and never written by two processes at once."""
 
 import json
 

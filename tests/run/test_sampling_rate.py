@@ -1,4 +1,4 @@
-"""dp.sampling_rate: q fixed in the config (the engine's plan, widedp.run.engines.private)."""
+"""dp.sampling_rate: q fixed in the config (the engine's plan, widedp.run.trainers.private)."""
 
 from tiny_corpus import data_section
 

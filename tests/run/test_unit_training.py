@@ -1,4 +1,4 @@
-"""Training in privacy units end to end (issue 11): sentence units with the DP vocabulary, the statement, `widedp
+"""Training in privacy units end to end: sentence units with the DP vocabulary, the statement, `widedp
 epsilon`, resume, canaries as their own units, a public word list, and the recommender's user unit."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 from snapshots import train_with_snapshot
 
-import widedp.run.engines.sparse as sparse_mod
+import widedp.run.trainers.sparse as sparse_mod
 from widedp import accounting
 from widedp.accounting.statement import SIZE_NOT_COVERED
 from widedp.cli import main

@@ -1,4 +1,4 @@
-"""Recommender releases and metrics (issue 14): MovieLens 100K read from a wheel-shaped zip (no network), raw ids
+"""Recommender releases and metrics: MovieLens 100K read from a wheel-shaped zip (no network), raw ids
 kept and exported, exact AUC and normalised entropy, no torch.fx notice."""
 
 import io

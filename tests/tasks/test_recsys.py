@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
+from widedp.commands.epsilon import epsilon_report
 from widedp.config import (
     AllRowsConfig,
     ExponentialSelectionConfig,
@@ -24,7 +25,6 @@ from widedp.dp.spend import ExponentialSpend
 from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysBatch, RecsysModel, make_kjt
-from widedp.run.epsilon import epsilon_report
 from widedp.run.train import train
 from widedp.tasks.recsys import build_model
 
@@ -77,7 +77,7 @@ def test_per_sample_grads_match_brute_force(pooling, hidden, interaction):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_per_sample_grads_and_dp_step_on_cuda_equal_cpu():
-    """The recommender's closed-form gradients and a noise-free DP step on CUDA against the CPU (issue 15)."""
+    """The recommender's closed-form gradients and a noise-free DP step on CUDA against the CPU."""
     data = tiny_data()
     model = RecsysModel(data.cardinality, dim=3, hidden=(5,), init_scale=0.5,
                         generator=torch.Generator().manual_seed(1))
@@ -306,7 +306,7 @@ def test_always_rows_selected_free_and_noised():
     sel_all = make_selector(ExponentialSelectionConfig(k=5, epsilon=1.0, score_clip=0.2), num_rows=R)
     hits = sum(int((step(g, sel_all, s, always_rows=0).selected >= R - A).sum()) for s in range(50))
     assert 0 < hits < 50 * 2
-    # PerSampleRowsWithDense carries A to the step (what widedp.run.engines.sparse relies on)
+    # PerSampleRowsWithDense carries A to the step (what widedp.run.trainers.sparse relies on)
     from widedp.models.recsys import PerSampleRowsWithDense
 
     gd = PerSampleRowsWithDense(g.values, g.rows, g.offsets, g.num_rows, always_rows=A)

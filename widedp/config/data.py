@@ -1,5 +1,5 @@
 """The ``data:`` section of the CBOW task (``widedp.config`` re-exports everything here): text preprocessing, the
-privacy unit and the vocabulary (issue 11)."""
+privacy unit and the vocabulary."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ DATA_PRESETS: dict[str, dict[str, Any]] = {
     # The whole Brown corpus with V=10,000 (splits: every sample, 60/20/20 by fraction).
     "brown_10k": {"corpus": "brown", "vocab_size": 10_000, "window": 4, "negatives": 8, "sample_shape": "pair",
                   "splits": [0.6, 0.2, 0.2]},
-    # The whole Brown vocabulary (issue 13): every word left after the filters that occurs >= 5 times in the corpus
+    # The whole Brown vocabulary: every word left after the filters that occurs >= 5 times in the corpus
     # (13,232 words of 40,097; they cover 463,133 of 509,267 tokens), 2,652,900 pairs, 60/20/20. vocab_size is that
     # count, so that it is V; min_count is the rule (a larger vocab_size adds no rarer word).
     "brown_full": {"corpus": "brown", "vocab_size": 13_232, "min_count": 5, "window": 4, "negatives": 8,

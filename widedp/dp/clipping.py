@@ -3,7 +3,7 @@
 Everything here is a few vectorised ops (segment sums over ``offsets``; no Python loop over samples) and never
 syncs with the host except to learn how many rows the batch touched in ``aggregate`` (``torch.unique``).
 
-Non-finite gradients (issue 16): a sample with any NaN or ±inf entry contributes zero, as if its gradient were all
+Non-finite gradients: a sample with any NaN or ±inf entry contributes zero, as if its gradient were all
 zeros, so no non-finite value reaches the scores, the selection or the noise; samples are counted (``ClipInfo``).
 Norms are taken in units of a power of two near each sample's largest entry, so huge finite entries (1e30 in
 float32, whose squares overflow) are clipped to S1 like any others.

@@ -37,7 +37,7 @@ releases its columns of it, drawing its own columns' noise), ``clip_l2`` sums pa
 (replicated) tables: every row is replicated, so all rows are handled as ``RowBlocks``' MLP rows: samples split
 across processes, ĝ summed, the selection made with ``shared``, the noise drawn once and broadcast.
 
-The process-group helpers (joining a group, a free port for tests) live in ``widedp.run.ranks``.
+The process-group helpers (joining a group, a free port for tests) live in ``widedp.distributed.ranks``.
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def run_seeds(run_dir: Path, *, mode: RngMode, seed: int, resume: bool) -> tuple
 
 
 def _state_file(step: int, rank: int | None) -> str:
-    """``rng-STEP.pt``, or ``rng-STEP-rankR.pt`` for rank R of a distributed run (``widedp.run.ranks``)."""
+    """``rng-STEP.pt``, or ``rng-STEP-rankR.pt`` for rank R of a distributed run (``widedp.distributed.ranks``)."""
     return f"rng-{step}.pt" if rank is None else f"rng-{step}-rank{rank}.pt"
 
 

@@ -27,7 +27,7 @@ class StepStats:
     touched; on a layout over several processes, the part of this process's rows: the processes' shares sum to
     the step's). clipped1: fraction of samples clipped at S1. clipped2: was Δ̂ clipped at S2. nonfinite: number of
     samples whose gradient had a NaN or an inf and so contributed zero. Nothing here is computed from the noise: the
-    noise's norm together with one released value tells membership apart (issue 16), so it is neither computed nor
+    noise's norm together with one released value tells membership apart, so it is neither computed nor
     logged.
     """
 
@@ -62,7 +62,7 @@ def dp_step_spend(selector: Selector, *, sampling_rate: float, noise_multiplier:
     """What one ``dp_step`` with these arguments spends, known before it runs: the Gaussian noise at
     Δ₂ = min(S1/b, 2·S2) (``noise: secure``: the discrete Gaussian on a grid, ``DiscreteGaussianSpend``) and
     ``selector.spend()``, on the same Poisson(q) batch (composed jointly by the accountant). The one statement of a
-    step's cost, whatever the layout: the step and the budget (``widedp.run.budget``) use it.
+    step's cost, whatever the layout: the step and the privacy plan (``widedp.run.plan``) use it.
     """
     d2 = sensitivity(clip1=clip1, clip2=clip2, batch_size=batch_size)
     part = (DiscreteGaussianSpend(noise_multiplier, d2, GRID_SLACK) if noise == "secure"

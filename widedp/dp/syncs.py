@@ -1,4 +1,4 @@
-"""Counting the host syncs of a piece of code, on any device (issue 15).
+"""Counting the host syncs of a piece of code, on any device.
 
 On CUDA the host waits for the device whenever a result's size or value is needed in Python: a scalar read
 (``.item()``, ``int(t)``, ``bool(t)``), an op whose output shape depends on the data (``torch.unique``, ``nonzero``,

@@ -1,4 +1,4 @@
-"""Privacy units (issue 11): a sentence, a document or a user protected as a whole, not one sample.
+"""Privacy units: a sentence, a document or a user protected as a whole, not one sample.
 
 A training split's samples are grouped into units, jagged::
 

@@ -1,4 +1,4 @@
-"""Optional fused CPU kernels for the DP step (``fused.cpp``, issue 17): clip + aggregate, and lazy Adam; and the
+"""Optional fused CPU kernels for the DP step (``fused.cpp``): clip + aggregate, and lazy Adam; and the
 sparse vector selector's host scan (``svt.cpp``).
 
 The PyTorch functions stay the reference (``widedp.dp.clipping``, ``widedp.dp.optim.LazyAdam``); these are used when the

@@ -1,4 +1,4 @@
-"""Fused CUDA kernels for the DP step, written in Triton (issue 17): clip + aggregate, and lazy Adam.
+"""Fused CUDA kernels for the DP step, written in Triton: clip + aggregate, and lazy Adam.
 
 The CUDA counterparts of ``fused.cpp``; the PyTorch functions stay the reference (``widedp.dp.clipping``,
 ``widedp.dp.optim.LazyAdam``). Used when Triton imports, the tensors are on a CUDA device and ``WIDEDP_NATIVE`` is

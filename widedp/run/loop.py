@@ -1,8 +1,8 @@
-"""The one training loop: sample -> engine step -> ledger / journal -> log -> evaluate -> checkpoint -> summary.
+"""The one training loop: sample -> trainer step -> ledger / journal -> log -> evaluate -> checkpoint -> summary.
 
-Every task the loop trains (``widedp.tasks.Task``: cbow, recsys, module) and every engine (``widedp.run.engines``:
+Every task the loop trains (``widedp.tasks.Task``: cbow, recsys, module) and every trainer (``widedp.run.trainers``:
 non-private, widedp's DP step, the Opacus baseline) runs through ``run``; ``widedp.run.train.train`` (the CLI's
-``widedp train`` and the Python API) calls it. What differs between engines is in the engine objects; what differs
+``widedp train`` and the Python API) calls it. What differs between trainers is in the trainer objects; what differs
 between tasks is in the task objects.
 
 The run directory it writes: config.yaml (resolved), metrics.jsonl, summary.json, loss.png, checkpoint.pt, the
@@ -10,9 +10,9 @@ task's files (vocab.json, features.json, ...), and with DP spent.json (the priva
 secret seeds and generator states that resume needs; mode 0700). The run directory is private working state:
 metrics.jsonl, summary.json and loss.png hold non-private statistics of the training batches.
 
-On several processes (``widedp.run.ranks``) every rank runs this loop; the engine's ``is_writer`` (rank 0) writes
-the run's files, the other ranks build into a scratch folder and write only their own shards and generator states
-(``widedp.run.shards``).
+On several processes (``widedp.distributed.ranks``) every rank runs this loop; the trainer's ``is_writer`` (rank 0)
+writes the run's files, the other ranks build into a scratch folder and write only their own shards and generator states
+(``widedp.distributed.shards``).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import yaml
 from tqdm import tqdm
 
 from widedp.config import Config
+from widedp.distributed import ranks
 from widedp.errors import ConfigError
-from widedp.run import ranks
 from widedp.run import summary as run_summary
 from widedp.run.checkpoint import load_checkpoint, save_checkpoint, write_json, write_text
-from widedp.run.engines import Engine, make_engine
 from widedp.run.plots import plot_losses
+from widedp.run.trainers import Trainer, make_trainer
 from widedp.tasks.protocol import Built, Task
 
 
@@ -52,15 +52,15 @@ def evaluate(model: Any, split: Any, *, batch_size: int, max_samples: int = 0) -
     return float(total) / n
 
 
-def epoch_record(engine: Engine, splits: dict[str, Any], tc: Any, epoch: int, step: int) -> dict[str, Any]:
+def epoch_record(trainer: Trainer, splits: dict[str, Any], tc: Any, epoch: int, step: int) -> dict[str, Any]:
     """The losses of the three splits after ``step`` steps (epoch ``epoch + 1``) and the epsilon spent so far."""
-    model = engine.eval_model()
+    model = trainer.eval_model()
     model.eval()
     rec: dict[str, Any] = {"epoch": epoch + 1, "step": step}
     for k in ("train", "valid", "test"):
         rec[f"{k}_loss"] = evaluate(model, splits[k], batch_size=tc.eval_batch_size, max_samples=tc.eval_max_samples)
     model.train()
-    rec.update(engine.epsilons())
+    rec.update(trainer.epsilons())
     return rec
 
 
@@ -118,19 +118,19 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
     task.check(cfg, private=cfg.dp is not None)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = _resume_checkpoint(cfg, out, resume=resume, data=data, device=device)
-    engine = make_engine(cfg, out, device=device, resumed=ckpt is not None)
-    built = _build(cfg, task, out, engine, device=device, data=data, ckpt=ckpt)
-    engine.setup(built, task)
-    if engine.is_writer:
+    trainer = make_trainer(cfg, out, device=device, resumed=ckpt is not None)
+    built = _build(cfg, task, out, trainer, device=device, data=data, ckpt=ckpt)
+    trainer.setup(built, task)
+    if trainer.is_writer:
         task.warn(cfg)  # (after the setup, so that a config error stays one line)
     state = RunState()
     if ckpt is not None:
-        engine.module.load_state_dict(ckpt["model"])
-        engine.load_state_dict(ckpt)
+        trainer.module.load_state_dict(ckpt["model"])
+        trainer.load_state_dict(ckpt)
         state = RunState.resumed(ckpt)
-        if engine.is_writer:
+        if trainer.is_writer:
             drop_metrics_after(out / "metrics.jsonl", state.step)
-    loop = _Loop(cfg, engine, built, out=out, device=device, state=state)
+    loop = _Loop(cfg, trainer, built, out=out, device=device, state=state)
     if ckpt is None:
         loop.log_start(task)
     setup_s = time.perf_counter() - t_setup
@@ -152,17 +152,17 @@ def _resume_checkpoint(cfg: Config, out: Path, *, resume: bool, data: Any, devic
     return ckpt
 
 
-def _build(cfg: Config, task: Task, out: Path, engine: Engine, *, device: Any, data: Any,
+def _build(cfg: Config, task: Task, out: Path, trainer: Trainer, *, device: Any, data: Any,
            ckpt: dict[str, Any] | None) -> Built:
     """The task's model and splits: the writer builds into ``out`` (the task's files) and writes config.yaml, the
     other ranks build into a scratch folder. A resumed run's training split must be the checkpoint's."""
-    if engine.is_writer:
-        built = task.build(cfg, out, device=device, data=data, noise_seed=engine.prefix_seed,
+    if trainer.is_writer:
+        built = task.build(cfg, out, device=device, data=data, noise_seed=trainer.prefix_seed,
                            resumed=ckpt is not None)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     else:  # the task's files are rank 0's to write (a rank > 0 of a distributed run)
         with tempfile.TemporaryDirectory(prefix="widedp-rank-") as scratch:
-            built = task.build(cfg, Path(scratch), device=device, data=data, noise_seed=engine.prefix_seed)
+            built = task.build(cfg, Path(scratch), device=device, data=data, noise_seed=trainer.prefix_seed)
     n = len(built.splits["train"])
     if ckpt is not None and ckpt.get("n_train") != n:
         was = ckpt.get("n_train")
@@ -176,14 +176,14 @@ def _build(cfg: Config, task: Task, out: Path, engine: Engine, *, device: Any, d
 
 class _Loop:
     """One run's loop over its ``RunState``: steps, interval and epoch records in metrics.jsonl, checkpoints, the
-    summary. Only the writer (``engine.is_writer``) writes the run's files; the others log to /dev/null."""
+    summary. Only the writer (``trainer.is_writer``) writes the run's files; the others log to /dev/null."""
 
-    def __init__(self, cfg: Config, engine: Engine, built: Built, *, out: Path, device: Any, state: RunState) -> None:
-        self.cfg, self.tc, self.engine, self.out, self.device, self.state = cfg, cfg.train, engine, out, device, state
+    def __init__(self, cfg: Config, trainer: Trainer, built: Built, *, out: Path, device: Any, state: RunState) -> None:
+        self.cfg, self.tc, self.trainer, self.out, self.device, self.state = cfg, cfg.train, trainer, out, device, state
         self.splits = built.splits
         self.n = len(built.splits["train"])
-        self.writer = engine.is_writer
-        self.total, self.per_epoch = engine.total, engine.per_epoch
+        self.writer = trainer.is_writer
+        self.total, self.per_epoch = trainer.total, trainer.per_epoch
         self.metrics = (out / "metrics.jsonl").open("a") if self.writer else open(os.devnull, "w")  # noqa: SIM115
 
     def log(self, rec: dict[str, Any]) -> None:
@@ -194,29 +194,29 @@ class _Loop:
     def record(self, epoch: int) -> None:
         """The epoch record after the current step (history and metrics.jsonl); keep_best's best epoch."""
         s, tc = self.state, self.tc
-        s.history.append(epoch_record(self.engine, self.splits, tc, epoch, s.step))
+        s.history.append(epoch_record(self.trainer, self.splits, tc, epoch, s.step))
         self.log({"kind": "epoch", **s.history[-1]})
         rec = s.history[-1]
         if tc.keep_best and rec["epoch"] > 0 and rec["valid_loss"] < s.best.get("valid_loss", float("inf")):
             s.best.update(epoch=rec["epoch"], valid_loss=rec["valid_loss"],
-                          model={k: v.detach().clone() for k, v in self.engine.module.state_dict().items()})
+                          model={k: v.detach().clone() for k, v in self.trainer.module.state_dict().items()})
 
     def checkpoint(self) -> None:
         """The private state (private/, a sharded run's shards), then checkpoint.pt, then the older private state
         pruned."""
-        s, engine = self.state, self.engine
-        engine.save_private(s.step)  # private/ (and a sharded run's shards), before the checkpoint
-        state = {"model": engine.module.state_dict(), "step": s.step, "history": s.history,
+        s, trainer = self.state, self.trainer
+        trainer.save_private(s.step)  # private/ (and a sharded run's shards), before the checkpoint
+        state = {"model": trainer.module.state_dict(), "step": s.step, "history": s.history,
                  "elapsed": s.training_seconds(), "config_hash": self.cfg.hash(), "best": s.best, "n_train": self.n,
-                 **engine.state_dict()}
+                 **trainer.state_dict()}
         if self.writer:
             save_checkpoint(self.out, state)
-        engine.prune_private(s.step)
+        trainer.prune_private(s.step)
 
     def log_start(self, task: Task) -> None:
         """A new run's first records: the initial evaluation (epoch 0), the notices and the "start" line."""
-        start = self.engine.start()  # (a prefix's journal entry, before anything derived from it is logged)
-        self.state.history.append(epoch_record(self.engine, self.splits, self.tc, -1, 0))
+        start = self.trainer.start()  # (a prefix's journal entry, before anything derived from it is logged)
+        self.state.history.append(epoch_record(self.trainer, self.splits, self.tc, -1, 0))
         self.log({"kind": "notice", "text": run_summary.DIAGNOSTICS_NOTICE})
         if scored := task.metrics_model(self.cfg):  # e.g. the full model, when the release leaves a table out
             self.log({"kind": "notice", "metrics_model": scored, "text": f"the losses and metrics here score {scored}"})
@@ -226,20 +226,20 @@ class _Loop:
     def train(self, *, progress: bool) -> float:
         """Step to the last step (or to the budget stop); returns the training seconds (``RunState.elapsed``
         included; evaluation and checkpoints not)."""
-        s, engine, tc = self.state, self.engine, self.tc
+        s, trainer, tc = self.state, self.trainer, self.tc
         bar = tqdm(total=self.total, initial=s.step, disable=not progress, unit="step", dynamic_ncols=True)
         s.loss_acc = torch.zeros((), device=self.device)
         s.acc_steps, s.acc_samples, s.t0 = 0, 0, time.perf_counter()
         s.t_window, s.aside = s.t0, 0.0
         while s.step < self.total:
             epoch = s.step // self.per_epoch
-            if engine.exhausted():
+            if trainer.exhausted():
                 s.stopped_by_budget = True
                 break
             if s.acc_steps == 0:  # DP: reserve the interval in the journal before any of it can leave the process
-                engine.reserve(min(tc.log_every, self.total - s.step))
-            drawn = engine.sample(s.step)
-            s.loss_acc += engine.step(drawn, epoch).loss_sum
+                trainer.reserve(min(tc.log_every, self.total - s.step))
+            drawn = trainer.sample(s.step)
+            s.loss_acc += trainer.step(drawn, epoch).loss_sum
             s.acc_samples += drawn.samples
             s.step += 1
             s.acc_steps += 1
@@ -258,7 +258,7 @@ class _Loop:
         rec = {"kind": "interval", "step": s.step, "epoch": epoch, "samples": s.acc_samples,
                "train_loss": float(s.loss_acc) / max(s.acc_samples, 1),
                "samples_per_s": s.acc_samples / (time.perf_counter() - s.t_window),
-               **self.engine.interval_stats(s.acc_steps, s.step)}
+               **self.trainer.interval_stats(s.acc_steps, s.step)}
         self.log(rec)
         bar.set_postfix(loss=f"{rec['train_loss']:.4f}",
                         **({"eps": f"{s.history[-1]['epsilon']:.3g}"} if "epsilon" in s.history[-1] else {}))
@@ -283,21 +283,21 @@ class _Loop:
             if not s.history or s.history[-1]["step"] != s.step:
                 self.record(s.step // self.per_epoch)
             if s.best and s.best["epoch"] != s.history[-1]["epoch"]:  # keep_best: end with the best epoch's weights
-                self.engine.module.load_state_dict(s.best["model"])
+                self.trainer.module.load_state_dict(s.best["model"])
                 self.log({"kind": "kept_best", "epoch": s.best["epoch"], "valid_loss": s.best["valid_loss"]})
             self.checkpoint()
 
     def summarize(self, task: Task, built: Built, *, wall: float, setup_s: float) -> dict[str, Any]:
-        """Close the engine; the summary (summary.json), the task's final evaluation, loss.png."""
-        s, engine, out, writer = self.state, self.engine, self.out, self.writer
-        engine.close()
-        rep = engine.report(stopped=s.stopped_by_budget)
+        """Close the trainer; the summary (summary.json), the task's final evaluation, loss.png."""
+        s, trainer, out, writer = self.state, self.trainer, self.out, self.writer
+        trainer.close()
+        rep = trainer.report(stopped=s.stopped_by_budget)
         summary = run_summary.summary(self.cfg, s.history, step=s.step, per_epoch=self.per_epoch, wall=wall,
-                                      setup_s=setup_s, n=self.n, st=rep.statement, unit_info=engine.unit_info,
+                                      setup_s=setup_s, n=self.n, st=rep.statement, unit_info=trainer.unit_info,
                                       kept_epoch=s.best.get("epoch") if self.tc.keep_best else None)
         if rep.dp is not None:
             summary["dp"] = rep.dp
-        engine.eval_model()  # the task's model holds the final weights
+        trainer.eval_model()  # the task's model holds the final weights
         final = task.finish(self.cfg, out, built) if writer else {}
         if final:
             summary.update(final)
@@ -309,5 +309,5 @@ class _Loop:
             plot_losses(s.history, out / "loss.png", title=rep.title)
         if s.stopped_by_budget and writer:
             print(f"widedp: stopped at step {s.step}: the next step would exceed dp.target_epsilon="
-                  f"{engine.dp.target_epsilon} (checkpoint saved in {out})")  # type: ignore[union-attr]
+                  f"{trainer.dp.target_epsilon} (checkpoint saved in {out})")  # type: ignore[union-attr]
         return summary

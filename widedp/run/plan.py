@@ -185,7 +185,8 @@ class DPPlan:
 
 def plan(cfg: Config, prefix: Prefix, *, num_rows: int, n: int) -> DPPlan:
     """The plan of ``cfg`` over ``n`` training samples (or units) and ``num_rows`` selectable rows, after
-    ``prefix``: the same for a run (``widedp.run.engines``) and for ``widedp epsilon`` (``widedp.run.epsilon``)."""
+    ``prefix``: the same for a run (``widedp.run.trainers``) and for ``widedp epsilon``
+    (``widedp.commands.epsilon``)."""
     assert cfg.dp is not None
     b = cfg.train.batch_size
     dp = calibrated(cfg.dp, steps=total_steps(cfg, n), batch_size=b, num_rows=num_rows, n=n, prefix=prefix)

@@ -1,6 +1,6 @@
 """``dp.preselect`` in a training run: the one-shot DP row pre-selection (``widedp.dp.selection.preselect``) run
 over the whole training set before the first step, and the step restricted to the rows it kept. The DP engine
-(``widedp.run.engines.sparse.SparseDPEngine.setup``, where the run's privacy plan is made) calls ``setup`` and
+(``widedp.run.trainers.sparse.SparseDPTrainer.setup``, where the run's privacy plan is made) calls ``setup`` and
 restricts its selector and every step's per-sample rows; any task the loop trains goes through it unchanged.
 
 - Contributions: every training sample's rows (or, with privacy units, every unit's merged rows) as the DP step

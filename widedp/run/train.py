@@ -18,8 +18,9 @@ from typing import Any
 import yaml
 
 from widedp.config import Config, config_from_dict
+from widedp.distributed import ranks
 from widedp.errors import ConfigError
-from widedp.run import loop, ranks, rundir
+from widedp.run import loop, rundir
 from widedp.tasks import AlgorithmTask, get_task
 
 
@@ -40,8 +41,8 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
 
 
 def train_rank(cfg: Config, out: Path, *, resume: bool, progress: bool, overwrite: bool) -> dict[str, Any]:
-    """``train`` in one rank of a distributed run (``widedp.run.ranks``): rank 0 locks and prepares ``out``, then
-    every rank runs the loop. Returns the summary (rank 0's is the one written)."""
+    """``train`` in one rank of a distributed run (``widedp.distributed.ranks``): rank 0 locks and prepares ``out``,
+    then every rank runs the loop. Returns the summary (rank 0's is the one written)."""
     import torch.distributed as dist
 
     task = get_task(cfg.task)

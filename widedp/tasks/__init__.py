@@ -4,7 +4,7 @@
     task = get_task(cfg.task)
 
 The functions import their task's module when called (recsys pulls in torchrec): nothing registers itself at import
-time. A ``Task`` is trained by the one loop (``widedp.run.loop``) with any engine (``widedp.run.engines``); an
+time. A ``Task`` is trained by the one loop (``widedp.run.loop``) with any engine (``widedp.run.trainers``); an
 ``AlgorithmTask`` (glm: convex DP algorithms, not the DP-sparse step) runs its own ``train``. The protocols and what
 a task builds are in ``widedp.tasks.protocol``; ``widedp.tasks.base.LoopTask`` holds the defaults a task may keep.
 """

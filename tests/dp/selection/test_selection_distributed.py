@@ -15,10 +15,10 @@ def _worker(rank: int, port: int) -> None:
     from distributed_toy import single_and_sharded, tiny_recsys
 
     from widedp.config import GaussianThresholdSelectionConfig, SparseVectorSelectionConfig
+    from widedp.distributed.ranks import init_process_group
     from widedp.dp.layout import RowBlocks
     from widedp.dp.selection import SelectionContext, make_selector
     from widedp.dp.step import dp_step
-    from widedp.run.ranks import init_process_group
 
     init_process_group(rank, WORLD, port=port, backend="gloo")
     ctx = SelectionContext(epoch=0, num_epochs=1)
@@ -49,6 +49,6 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_count_and_contribution_scores_across_shards():
-    from widedp.run.ranks import free_port
+    from widedp.distributed.ranks import free_port
 
     mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

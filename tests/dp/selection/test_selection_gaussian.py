@@ -1,4 +1,4 @@
-"""Gaussian contribution thresholding (issue 13): the exact false-positive sampler against brute force, the
+"""Gaussian contribution thresholding: the exact false-positive sampler against brute force, the
 selection law against its exact product law, neighbouring output laws against the Gaussian they post-process, the
 V-independence at R = 10^12, the max_rows cap, the factory and the spend record."""
 

@@ -79,7 +79,7 @@ def sample_distinct(
         raise ValueError(f"cannot draw {n} distinct rows out of {num_rows - u}")
     if n == 0:
         return torch.zeros(0, dtype=torch.long, device=device)
-    # No host sync on any path (issue 15): every size below is known before the draws.
+    # No host sync on any path: every size below is known before the draws.
     if _DENSE_FACTOR * (n + u) > num_rows:
         perm = torch.randperm(num_rows, generator=generator, device=device)
         if u:  # the first n not-excluded ids of the permutation (a stable sort of the excluded flag, not a mask)

@@ -1,4 +1,4 @@
-"""Gaussian contribution thresholding (issue 13; DP-AdaFEST / TF Privacy's sparsity_preserving_noise, with
+"""Gaussian contribution thresholding (DP-AdaFEST / TF Privacy's sparsity_preserving_noise, with
 ℓ2-normalised contributions) and its exact V-independent sampler of false positives.
 
 The mechanism, on the step's batch: c = Σ_j c_j with c_j the ℓ2-normalised indicator of the rows sample j touched

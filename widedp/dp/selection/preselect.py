@@ -1,4 +1,4 @@
-"""One-shot DP pre-selection of rows (DP-FEST; issue 13): a private partition selection of the most-contributed
+"""One-shot DP pre-selection of rows (DP-FEST): a private partition selection of the most-contributed
 rows of the WHOLE training set, run once before the first step; afterwards every selector ranges over those rows only
 (the others stay frozen).
 

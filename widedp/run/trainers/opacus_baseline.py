@@ -11,7 +11,7 @@ What is Opacus' and what is ours:
 - Ours: the sampling rate is set to exactly q = b/n and the divisor to exactly b (Opacus derives both from
   ``len(data_loader)``, which rounds), the same init as widedp's model for the same seed, the same evaluation (the
   task's model holding the same weights), the spent-budget journal, calibration and the budget stop
-  (``widedp.run.engines.private``: the same Gaussian spend as widedp's ``selection: all``, so both engines get the
+  (``widedp.run.trainers.private``: the same Gaussian spend as widedp's ``selection: all``, so both engines get the
   same sigma), and ``epsilon_widedp`` (our accountant on the same steps) as a cross-check.
 
 Randomness: the sampling and noise generators are seeded as widedp's (secret by default, ``widedp.dp.rng``); their
@@ -41,8 +41,8 @@ from widedp.accounting.registry import ACCOUNTANTS
 from widedp.config import Config
 from widedp.dp import rng, units
 from widedp.errors import ConfigError
-from widedp.run.engines.base import Drawn, Report, StepOutput
-from widedp.run.engines.private import PrivateEngine
+from widedp.run.trainers.base import Drawn, Report, StepOutput
+from widedp.run.trainers.private import PrivateTrainer
 from widedp.tasks.protocol import Built, Task
 
 OPTIMIZERS = ("sgd", "adam")
@@ -161,7 +161,7 @@ def _endless(loader: DataLoader) -> Iterator[Any]:
         yield from loader
 
 
-class OpacusEngine(PrivateEngine):
+class OpacusTrainer(PrivateTrainer):
     """Opacus' DP-SGD step (module docstring)."""
 
     def __init__(self, cfg: Config, out: Path, *, device: torch.device, resumed: bool) -> None:

@@ -44,7 +44,7 @@ def _same(values: list[Any]) -> Any:
 
 def plot_curves(sweep: Any, runs: dict[str, tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]],
                 path: Path) -> None:
-    """Write ``path`` for ``sweep`` (a ``widedp.run.compare.Sweep``); ``runs``: each run's name -> (its seeds'
+    """Write ``path`` for ``sweep`` (a ``widedp.commands.compare.Sweep``); ``runs``: each run's name -> (its seeds'
     per-epoch histories, their summaries)."""
     import matplotlib
 

@@ -1,4 +1,5 @@
-"""``widedp train`` on two gloo processes (``widedp.run.ranks``, ``widedp.run.engines.sharded``) against one process.
+"""``widedp train`` on two gloo processes (``widedp.distributed.ranks``, ``widedp.run.trainers.sharded``) against
+one process.
 
 - selection ``all`` and (almost) no noise: the 2-process run's final weights equal the 1-process run's (1e-6) and
   so do the ledgers (CBOW through torchrun, CBOW with a negatives pool and recsys through ``--nproc``);
@@ -31,10 +32,10 @@ from tiny_corpus import data_section
 from widedp import accounting
 from widedp.cli import main
 from widedp.config import config_from_dict
+from widedp.distributed import ranks, shards
 from widedp.dp import rng
 from widedp.errors import ConfigError
-from widedp.run import ranks, shards
-from widedp.run.engines.sharded import check_shardable
+from widedp.run.trainers.sharded import check_shardable
 
 EXACT = ["--set", "dp.noise_multiplier=1e-6", "--set", "dp.accountant=rdp", "--set", "dp.selection.name=all",
          "--set", "train.optimizer=sgd"]  # sigma > 0 is required; 1e-6 noise moves sgd's weights by ~1e-9
@@ -277,7 +278,7 @@ def test_refused_keys_are_named(over, key):
 
 
 def test_module_task_has_no_sharded_model():
-    from widedp.run.engines.sharded import shard_model
+    from widedp.run.trainers.sharded import shard_model
 
     with pytest.raises(ConfigError, match="task: module has no sharded model"):
         shard_model("module", None, 0, 2)

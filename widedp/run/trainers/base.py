@@ -1,4 +1,4 @@
-"""The engine protocol (``Engine``) and what engines return; ``widedp.run.engines`` describes the engines."""
+"""The trainer protocol (``Trainer``) and what trainers return; ``widedp.run.trainers`` describes the trainers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from widedp.tasks.protocol import Built, Task
 
 @dataclass(frozen=True)
 class Drawn:
-    """One step's batch: ``batch`` (what the engine steps on), ``samples`` (how many samples it holds, units
+    """One step's batch: ``batch`` (what the trainer steps on), ``samples`` (how many samples it holds, units
     counted by their samples), ``units`` (``widedp.dp.units.UnitBatch`` when the privacy unit groups samples) and
     ``public_rows`` (rows the step noises whatever the data: ``data.negatives_pool``'s pool)."""
 
@@ -27,7 +27,7 @@ class Drawn:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """loss_sum: the batch's summed per-sample loss, 0-dim (a DP engine counts a non-finite one as 0)."""
+    """loss_sum: the batch's summed per-sample loss, 0-dim (a DP trainer counts a non-finite one as 0)."""
 
     loss_sum: Tensor
 
@@ -42,7 +42,7 @@ class Report:
     title: str
 
 
-class Engine(Protocol):
+class Trainer(Protocol):
     """See the module docstring. ``module``: what trains (its ``state_dict`` is the checkpoint's ``model``)."""
 
     module: torch.nn.Module
@@ -51,7 +51,7 @@ class Engine(Protocol):
     per_epoch: int
     total: int
     unit_info: dict[str, Any] | None  # summary.json's "units"
-    is_writer: bool  # this process writes the run's files (a distributed run's rank 0; ``widedp.run.ranks``)
+    is_writer: bool  # this process writes the run's files (a distributed run's rank 0; ``widedp.distributed.ranks``)
 
     def setup(self, built: Built, task: Task) -> None: ...
 

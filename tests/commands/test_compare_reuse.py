@@ -1,4 +1,4 @@
-"""``widedp compare`` reuses a run directory only when the config hash it recorded is the run's (issue 14): finished
+"""``widedp compare`` reuses a run directory only when the config hash it recorded is the run's: finished
 -> reused, checkpointed -> resumed, another config -> refused (or rerun with --overwrite), crashed before its first
 checkpoint -> restarted; figures carry ε, δ and the unit, and named panels overlay runs."""
 
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from widedp.cli import main
+from widedp.commands.compare import load_sweep, plan
 from widedp.errors import ConfigError
-from widedp.run.compare import load_sweep, plan
 
 WORDS = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(300))
 
@@ -89,7 +89,7 @@ def test_results_carry_the_privacy_and_panels_group_runs(sweep, tmp_path):
     rows = json.loads((out / "results.json").read_text())["rows"]
     for r in rows:
         assert r["delta"] == 1e-5 and r["unit"] == "(target, context) pair" and "ε=" in r["privacy"]
-    from widedp.run.compare_plots import privacy_label
+    from widedp.commands.compare_plots import privacy_label
 
     s = json.loads((out / "uni" / "seed0" / "summary.json").read_text())
     label = privacy_label([s])

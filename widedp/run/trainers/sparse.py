@@ -1,8 +1,8 @@
-"""widedp's DP engine (``dp.engine: widedp``): ``dp_step`` on Poisson batches of samples or privacy units.
+"""widedp's DP trainer (``dp.engine: widedp``): ``dp_step`` on Poisson batches of samples or privacy units.
 
 Each step: the model's per-sample row gradients (``per_sample_row_grads``; summed per unit when a unit groups
-samples, ``widedp.dp.units``), ``dp_step`` (clip, select rows privately, clip, noise: paper Alg. 3) on the engine's
-row layout (``self.row_layout``: ``SingleProcess()`` here, row blocks in ``widedp.run.engines.sharded``), the row
+samples, ``widedp.dp.units``), ``dp_step`` (clip, select rows privately, clip, noise: paper Alg. 3) on the trainer's
+row layout (``self.row_layout``: ``SingleProcess()`` here, row blocks in ``widedp.run.trainers.sharded``), the row
 optimizer on the noisy selected rows, and the step's spend into the ledger. Sampling (``PoissonSampler``) is a pure
 function of the secret seed and the step, and the noise generator's state is saved at every checkpoint, so a
 resumed run replays the lost steps bit for bit.
@@ -25,15 +25,15 @@ from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
 from widedp.run import preselect_setup
 from widedp.run import summary as run_summary
-from widedp.run.engines.base import Drawn, Report, StepOutput
-from widedp.run.engines.private import PrivateEngine
+from widedp.run.trainers.base import Drawn, Report, StepOutput
+from widedp.run.trainers.private import PrivateTrainer
 from widedp.tasks.protocol import Built, Task
 
 OPTIMIZERS = ("sgd", "lazy_adam", "adam")
 _STATS = ("rows_selected", "touched_share", "clipped1", "clipped2")
 
 
-class SparseDPEngine(PrivateEngine):
+class SparseDPTrainer(PrivateTrainer):
     """The DP-sparse step (module docstring)."""
 
     def __init__(self, cfg: Config, out: Path, *, device: torch.device, resumed: bool) -> None:

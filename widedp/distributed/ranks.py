@@ -1,10 +1,10 @@
 """``widedp train`` on several processes: the process group, who writes what, and agreement between the ranks.
 
     torchrun --standalone --nproc_per_node=2 -m widedp train CONFIG --out RUN
-    widedp train CONFIG --out RUN --nproc 2          # the same, launched by widedp (``widedp.run.launch``)
+    widedp train CONFIG --out RUN --nproc 2          # the same, launched by widedp (``widedp.distributed.launch``)
 
 A run is distributed when torchrun's environment says WORLD_SIZE > 1. Every rank then runs the one loop
-(``widedp.run.loop``) with the sharded DP engine (``widedp.run.engines.sharded``): the same Poisson batch, the
+(``widedp.run.loop``) with the sharded DP engine (``widedp.run.trainers.sharded``): the same Poisson batch, the
 same collectives in the same order. Rank 0 alone locks and prepares the run directory, writes the run's files
 (config.yaml, metrics.jsonl, spent.json, checkpoint.pt, summary.json, loss.png, private/seeds.json) and reports
 errors; every rank writes its own shard file and its own generator states. A ``ConfigError`` is printed by rank 0

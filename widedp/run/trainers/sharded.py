@@ -1,7 +1,8 @@
-"""widedp's DP engine on several processes (``widedp.run.ranks``): embedding tables row-sharded across the ranks.
+"""widedp's DP trainer on several processes (``widedp.distributed.ranks``): embedding tables row-sharded across the
+ranks.
 
-The task's model is cut into row blocks (``Task.shard``: CBOW -> ``ShardedCBOW``, recsys -> ``ShardedRecsys``);
-each step is ``SparseDPEngine``'s: ``widedp.dp.step.dp_step`` on the layout ``widedp.dp.layout.RowBlocks`` (that
+The task's model is cut into row blocks (``SHARDERS``: CBOW -> ``ShardedCBOW``, recsys -> ``ShardedRecsys``);
+each step is ``SparseDPTrainer``'s: ``widedp.dp.step.dp_step`` on the layout ``widedp.dp.layout.RowBlocks`` (that
 module's docstring says how the work is shared), the update in each rank's own row space. What makes it the
 single-process run's DP step:
 
@@ -11,16 +12,16 @@ single-process run's DP step:
 - selection: the exponential mechanism's top-k is exact across the shards (every rank's own Gumbel keys); the
   other selectors run on the all_gathered (touched, score) pairs with a generator all ranks share;
 - noise: each selected row's noise is drawn once, by its owner, with the owner's own generator;
-- the ledger is the single process's (``PrivateEngine``); rank 0 writes the journal and the run's files.
+- the ledger is the single process's (``PrivateTrainer``); rank 0 writes the journal and the run's files.
 
 Secrets: rank 0 draws (or, on resume, reads) the run's seeds (``widedp.dp.rng``) and sends them to the other ranks
 over the process group; each rank's generator is seeded from a secret derivation of the noise seed and its rank,
 the shared one from another; every rank saves its generators' states in RUN/private/ at checkpoints
-(``rng-STEP-rankR.pt``) and its shard in RUN/shards/ (``widedp.run.shards``).
+(``rng-STEP-rankR.pt``) and its shard in RUN/shards/ (``widedp.distributed.shards``).
 
 Refused (one-line errors naming the key): ``dp.engine: opacus``, privacy units other than one sample
 (``data.privacy_unit``), ``data.vocabulary: dp``, ``train.keep_best``, tasks without a sharded model (``module``),
-a run without a ``dp:`` section (``widedp.run.engines.make_engine``), and the step's options the row-block layout
+a run without a ``dp:`` section (``widedp.run.trainers.make_trainer``), and the step's options the row-block layout
 refuses (``RowBlocks.refuses``: ``dp.preselect``; ``widedp.dp.layout.check_options``, called by ``setup``).
 """
 
@@ -34,12 +35,12 @@ import torch
 import torch.distributed as dist
 
 from widedp.config import Config
+from widedp.distributed import ranks, shards
 from widedp.dp import rng, units
 from widedp.dp.layout import RowBlocks
 from widedp.dp.optim import make_row_optimizer
 from widedp.errors import ConfigError
-from widedp.run import ranks, shards
-from widedp.run.engines.sparse import SparseDPEngine
+from widedp.run.trainers.sparse import SparseDPTrainer
 from widedp.tasks.protocol import Built, Task
 
 _MODES = ("secure", "reproducible")
@@ -80,7 +81,7 @@ def shard_model(task: str, model: Any, rank: int, world: int) -> Any:
 
 
 def check_shardable(cfg: Config) -> None:
-    """ConfigError for what the sharded engine does not train (module docstring)."""
+    """ConfigError for what the sharded trainer does not train (module docstring)."""
     dp = cfg.dp
     if dp is None:
         raise ConfigError("dp: training on several processes is for DP runs (widedp's sharded DP step); train a "
@@ -96,8 +97,8 @@ def check_shardable(cfg: Config) -> None:
         raise ConfigError("train.keep_best: not available on several processes")
 
 
-class ShardedDPEngine(SparseDPEngine):
-    """``SparseDPEngine`` over row-sharded tables (module docstring). ``module`` is the task's full model: rank 0's
+class ShardedDPTrainer(SparseDPTrainer):
+    """``SparseDPTrainer`` over row-sharded tables (module docstring). ``module`` is the task's full model: rank 0's
     receives every rank's blocks at each checkpoint (checkpoint.pt and ``widedp export`` hold the full model);
     training and evaluation use ``sharded``."""
 

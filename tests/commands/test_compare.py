@@ -5,8 +5,8 @@ import json
 import pytest
 
 from widedp.cli import main
+from widedp.commands.compare import load_sweep
 from widedp.errors import ConfigError
-from widedp.run.compare import load_sweep
 
 
 @pytest.mark.slow
@@ -121,8 +121,8 @@ def test_shipped_sweeps_validate():
 
 def test_paper_theorem3_column_is_labelled_and_never_the_epsilon(tmp_path):
     from widedp import accounting
+    from widedp.commands.compare import PAPER_KEY, results_markdown, run_dir, summarize
     from widedp.dp.spend import ExponentialSpend, GaussianSpend, StepSpend
-    from widedp.run.compare import PAPER_KEY, results_markdown, run_dir, summarize
 
     assert PAPER_KEY == accounting.REFERENCE_KEY
     p = _sweep(tmp_path, "runs: [{name: dp, config: base.yaml}, {name: plain, config: base.yaml}]\n")

@@ -11,13 +11,13 @@ from widedp.config import Config
 from widedp.dp.sampling import ShuffledBatches
 from widedp.errors import ConfigError
 from widedp.run import plan
-from widedp.run.engines.base import Drawn, Report, StepOutput
+from widedp.run.trainers.base import Drawn, Report, StepOutput
 from widedp.tasks.protocol import Built, Task
 
 OPTIMIZERS = ("sgd", "adam", "sparse_adam")
 
 
-class NonPrivateEngine:
+class NonPrivateTrainer:
     """Each step: the mean of the batch's per-sample losses, ``backward``, the optimizer's step. Nothing is spent."""
 
     dp = None

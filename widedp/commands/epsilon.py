@@ -59,7 +59,7 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
 def _opacus(rep: dict[str, Any], dp: Any, q: float, steps: int) -> str:
     """``rep``'s epsilon by Opacus' accountant (PRV for ``dp.accountant: pld`` where it works, else RDP), as the
     Opacus engine's summary reports it; widedp's figure stays as ``epsilon_widedp``. Returns the accountant's name."""
-    from widedp.run.engines.opacus_baseline import opacus_epsilons
+    from widedp.run.trainers.opacus_baseline import opacus_epsilons
 
     e = opacus_epsilons([(dp.noise_multiplier, q, steps)] if steps else [], dp.delta)
     acct = "prv" if dp.accountant == "pld" and e["prv"] is not None else "rdp"

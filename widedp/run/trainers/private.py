@@ -1,4 +1,4 @@
-"""What both DP engines share: the run's secret seeds, what is spent before the first step, the privacy plan, the
+"""What both DP trainers share: the run's secret seeds, what is spent before the first step, the privacy plan, the
 ledger, the spent-budget journal written ahead (``widedp.run.journal``) and the budget stop."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from widedp.run import journal, plan
 from widedp.run import summary as run_summary
 
 
-class PrivateEngine:
-    """Base of ``SparseDPEngine`` and ``OpacusEngine``.
+class PrivateTrainer:
+    """Base of ``SparseDPTrainer`` and ``OpacusTrainer``.
 
     Randomness that protects the data is seeded from ``rng.run_seeds`` (``dp.rng: secure``: the OS CSPRNG, kept
     only in RUN/private/, never in config.yaml, checkpoints or logs); the generators' states at each checkpoint are
@@ -32,7 +32,7 @@ class PrivateEngine:
         self.seeds, self.replayable = self._run_seeds(resumed=resumed)
         self._seeds_lost = resumed and not self.replayable  # private/seeds.json was missing: fresh seeds drawn
         # what is spent before the first step: the DP vocabulary (released by the task's build, with the seed below)
-        # and the row pre-selection (drawn by the engine's setup)
+        # and the row pre-selection (drawn by the trainer's setup)
         self.prefix = plan.prefix_of(cfg)
         self.prefix_seed = self.seeds.noise if self.prefix.vocabulary else None
         self.unit_info: dict[str, Any] | None = None
@@ -111,7 +111,7 @@ class PrivateEngine:
         return rng.fresh_seeds(self.seeds, step)
 
     def _reseed(self) -> None:
-        """Seed the engine's generators (in place) and samplers from ``self.seeds``."""
+        """Seed the trainer's generators (in place) and samplers from ``self.seeds``."""
         rng.seed_generator(self.noise_gen, self.seeds.noise)
 
     def _resumed_ledger(self, ckpt: dict[str, Any], *, replayable: bool, lost: str | None = None
@@ -129,7 +129,7 @@ class PrivateEngine:
 
     def _lost_state(self, step: int, *, rank: int | None = None) -> str:
         """The private file whose loss keeps a resume at checkpoint ``step`` from replaying: the seeds (missing when
-        the engine started), else the generator states of ``step`` (of ``rank``)."""
+        the trainer started), else the generator states of ``step`` (of ``rank``)."""
         if self._seeds_lost:
             return str(self.out / rng.PRIVATE_DIR / rng.SEEDS_FILE)
         return str(rng.state_path(self.out, step, rank=rank))
@@ -144,7 +144,7 @@ class PrivateEngine:
         self._write_journal(self.ledger)  # the run is over: what it spent is exactly the ledger
 
     def _dp_summary(self, *, stopped: bool) -> dict[str, Any]:
-        """summary.json's ``dp`` keys both engines write (each adds its epsilons)."""
+        """summary.json's ``dp`` keys both trainers write (each adds its epsilons)."""
         dp = self.dp
         return {"delta": dp.delta, "noise_multiplier": dp.noise_multiplier, "selection": dp.selection.name,
                 "selection_epsilon": getattr(dp.selection, "epsilon", None), "accountant": dp.accountant,

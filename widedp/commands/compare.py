@@ -15,7 +15,7 @@ A run directory is reused only when the config hash it recorded (``summary.json`
 hash of the run's config now: finished -> reused, checkpointed -> resumed. A directory holding another config's run
 is refused (one line: use a new ``--out``, or ``--overwrite`` to rerun it); a directory that holds run files but no
 checkpoint (it crashed before its first one: nothing was released) is restarted. Every decision is printed on
-stderr before anything trains. Written: ``DIR/curves.png`` (``widedp.run.compare_plots``: train and test loss per
+stderr before anything trains. Written: ``DIR/curves.png`` (``widedp.commands.compare_plots``: train and test loss per
 epoch, mean over seeds with a min/max band, like the paper's Fig. 1; titles with ε, δ and the privacy unit),
 ``DIR/results.md`` and ``DIR/results.json`` (final losses mean ± std over seeds, the honest accountant's epsilon
 (summary ``dp.epsilon``), its RDP epsilon, wall time, samples/s, and — to compare with the paper's reported eps —
@@ -390,7 +390,7 @@ def compare(path: str | Path, out: Path, *, overrides: list[str] | tuple[str, ..
     """Run the sweep (reusing finished runs of the same config) and write curves.png, results.md, results.json.
     ``keep_going``: a run's config error is reported and the sweep goes on; the outputs cover the runs that
     finished, and a ``ConfigError`` naming the failed ones is raised at the end."""
-    from widedp.run.compare_plots import plot_curves
+    from widedp.commands.compare_plots import plot_curves
 
     sweep = load_sweep(path, overrides)
     out.mkdir(parents=True, exist_ok=True)
