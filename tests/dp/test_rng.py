@@ -141,11 +141,11 @@ def test_resume_with_seeds_but_lost_generator_states_draws_fresh_randomness(tmp_
     """private/seeds.json kept, rng-STEP.pt lost: restarting the generators from the seeds would redraw step 0's
     noise (and the lost steps' batches) at step 60; the run must take fresh seeds instead, and the lost steps stay
     spent (audit)."""
-    import widedp.dp.step as step_mod
+    import widedp.dp.noise as noise_mod
 
     noise: list[torch.Tensor] = []
-    orig = step_mod.gaussian_noise
-    monkeypatch.setattr(step_mod, "gaussian_noise", lambda *a, **k: noise.append(z := orig(*a, **k)) or z)
+    orig = noise_mod.gaussian_noise  # the step's noise (``noise.noisy``)
+    monkeypatch.setattr(noise_mod, "gaussian_noise", lambda *a, **k: noise.append(z := orig(*a, **k)) or z)
     cfg, run, snap, _ = _run_with_snapshot(tmp_path, monkeypatch)
     first = [z.clone() for z in noise[:3]]
     old = rng.load_seeds(snap)

@@ -28,5 +28,5 @@ def test_make_engine_follows_the_config(tmp_path):
     sparse = config_from_dict({"train": {"optimizer": "sgd"}, "dp": dp})
     trainer = make_trainer(sparse, tmp_path / "b", device=cpu, resumed=False)
     assert type(trainer) is SparseDPTrainer and trainer.prefix_seed is None  # nothing released before the steps
-    opacus = config_from_dict({"train": {"optimizer": "sgd"}, "dp": {**dp, "trainer": "opacus"}})
+    opacus = config_from_dict({"train": {"optimizer": "sgd"}, "dp": {**dp, "engine": "opacus"}})
     assert type(make_trainer(opacus, tmp_path / "c", device=cpu, resumed=False)) is OpacusTrainer

@@ -62,7 +62,7 @@ from widedp.dp.clipping import (
 )
 from widedp.dp.noise import exponential, gumbel, noisy
 from widedp.dp.rowgrads import PerSampleRows, SparseRows
-from widedp.dp.selection import ExponentialSelector, SelectionContext, Selector, sample_distinct
+from widedp.dp.selection import SelectionContext, Selector, sample_distinct
 from widedp.dp.selection.scores import sample_row_counts
 from widedp.errors import ConfigError
 
@@ -328,9 +328,10 @@ class RowBlocks:
                score_sensitivity: float, ctx: SelectionContext, generator: torch.Generator) -> Tensor:
         if selectable_rows != self.shard.num_rows:
             raise ValueError(f"row blocks select among all {self.shard.num_rows} rows, not {selectable_rows}")
-        if isinstance(selector, ExponentialSelector):  # exact blockwise: each process's keys, top k merged
-            return sharded_gumbel_topk(touched, scores * selector.key_scale(score_sensitivity), self.shard,
-                                       k=selector.k, generator=generator, group=self.group)
+        logits = getattr(selector, "gumbel_logits", None)  # a Gumbel top-k law: exact blockwise, top k merged
+        if logits is not None:
+            return sharded_gumbel_topk(touched, logits(scores, score_sensitivity), self.shard, k=selector.k,
+                                       generator=generator, group=self.group)
         all_touched = _all_gather_var(touched, self.group)
         order = torch.argsort(all_touched)
         if selector.score_kind != "none":

@@ -87,6 +87,10 @@ class ExponentialSelector:
         """The factor of u_r in the Gumbel keys: ε'' / (2Δu)."""
         return self.epsilon / (2.0 * score_sensitivity)
 
+    def gumbel_logits(self, scores: Tensor, score_sensitivity: float) -> Tensor:
+        """[U] the logits whose Gumbel top-k is this selector's law (a row layout may merge it blockwise)."""
+        return scores * self.key_scale(score_sensitivity)
+
     def spend(self) -> Spend:
         return ExponentialSpend(epsilon=self.epsilon, picks=self.k)
 
