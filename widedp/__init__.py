@@ -14,6 +14,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+#: the version (the one source: pyproject.toml reads it; ``widedp --version`` prints it; every privacy statement records
+#: it as ``widedp_version``)
+__version__ = "0.1.0"
+
 __all__ = ["BudgetExhausted", "IdOutOfRangeError", "PerSampleRows", "PrivacyEngine", "UnsupportedModelError", "dp_step"]
 
 _HOME = {"BudgetExhausted": "widedp.api", "IdOutOfRangeError": "widedp.api", "PrivacyEngine": "widedp.api",

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from widedp import __version__
 from widedp.allocator import tune_malloc
 from widedp.errors import ConfigError
 
@@ -45,6 +46,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="widedp", description="Differentially private training of wide models.")
+    p.add_argument("--version", action="version", version=f"widedp {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train a model from a YAML config")
     t.add_argument("config", nargs="?", help="YAML config (omit with --resume)")
