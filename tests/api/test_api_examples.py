@@ -1,4 +1,5 @@
-"""The README's "Use your own model" examples, run as README has them (its two ``python`` blocks, executed)."""
+"""The documented library examples, run as the docs have them: the two ``python`` blocks of docs/own-model.md ("Use
+your own model") and the short one on README's first screen."""
 
 from __future__ import annotations
 
@@ -10,22 +11,27 @@ import pytest
 import torch
 from api_toys import interactions
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+OWN_MODEL = ROOT / "docs" / "own-model.md"  # README's "Use your own model" section moved here
+
+
+def python_blocks(path: Path) -> list[str]:
+    """The ``python`` code blocks of ``path``, in order."""
+    return re.findall(r"```python\n(.*?)```", path.read_text(encoding="utf-8"), flags=re.S)
 
 
 def readme_examples() -> list[str]:
-    """The ``python`` code blocks of README's "## Use your own model" section, in order."""
-    text = README.read_text(encoding="utf-8")
-    section = text.split("\n## Use your own model\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    """The ``python`` code blocks of docs/own-model.md ("Use your own model"), in order."""
+    return python_blocks(OWN_MODEL)
 
 
-def run_example(marker: str, **inputs: Any) -> dict[str, Any]:
-    """Execute the one README example containing ``marker`` with ``inputs`` as its globals; return its globals."""
-    blocks = [b for b in readme_examples() if marker in b]
-    assert len(blocks) == 1, f"README has {len(blocks)} 'Use your own model' examples with {marker!r}"
+def run_example(marker: str, page: Path = OWN_MODEL, **inputs: Any) -> dict[str, Any]:
+    """Execute the one example of ``page`` containing ``marker`` with ``inputs`` as its globals; return its globals."""
+    blocks = [b for b in python_blocks(page) if marker in b]
+    assert len(blocks) == 1, f"{page.name} has {len(blocks)} python examples with {marker!r}"
     scope: dict[str, Any] = {"__name__": "readme_example", **inputs}
-    exec(compile(blocks[0], f"README.md ({marker})", "exec"), scope)
+    exec(compile(blocks[0], f"{page.name} ({marker})", "exec"), scope)
     return scope
 
 
@@ -50,3 +56,15 @@ def test_embedding_bag_example_runs(tmp_path, capsys):
     assert (tmp_path / "private" / "seeds.json").is_file() and (tmp_path / "checkpoint.pt").is_file()
     out = capsys.readouterr().out
     assert "(ε=" in out and "training example [PLD accountant]" in out
+
+
+def test_readme_first_screen_example_runs(capsys):
+    """README's library-in-ten-lines block runs as written."""
+    blocks = python_blocks(README)
+    assert len(blocks) == 1 and len(blocks[0].strip().splitlines()) <= 10
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (500, 1))
+    data = list(zip(ids, (ids[:, 0] < 50).long()))
+    engine = run_example("make_private", page=README, dataset=data)["engine"]
+    assert engine.steps > 0 and engine.epsilon() <= 8.0
+    assert "training example [PLD accountant]" in capsys.readouterr().out
