@@ -1,5 +1,6 @@
 """Config files and ``--set`` overrides: bad input is a one-line ConfigError naming the key."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -120,7 +121,8 @@ def test_good_files(tmp_path):
         ("dp.noise_multiplier=.nan", "dp.noise_multiplier: expected a finite number, got nan"),
         ("dp=", "--set dp: no value; give dp=null for non-private training"),
         ("dp.selection.name=magic", "dp.selection.name: expected one of"),
-        ("dp.selection.name=uniform", "dp.selection: give exactly one of k or gamma"),  # exponential's k dropped
+        ("dp.selection.name=uniform", "dp.selection.epsilon, score_clip, method of 'exponential' are not keys of "
+                                      "uniform"),  # k is kept; the keys uniform has not are refused, not dropped
         ("dp.selection.nmae=uniform", "dp.selection.nmae: unknown key"),
     ],
 )
@@ -130,20 +132,54 @@ def test_bad_overrides_name_the_key(override, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_readme_mechanism_swap():
-    cfg = load_config(EXP, ["dp.selection.name=uniform", "dp.selection.k=1"])
-    assert cfg.dp.selection == UniformSelectionConfig(k=1)
-    assert cfg.dp.noise_multiplier == load_config(EXP).dp.noise_multiplier  # the rest of dp: is the file's
-    # the same name keeps the file's keys; a swap drops the old mechanism's keys set before it, not after it
-    assert load_config(EXP, ["dp.selection.name=exponential"]).dp.selection.k == 500
-    cfg = load_config(EXP, ["dp.selection.epsilon=0.2", "dp.selection.name=sparse_vector",
-                            "dp.selection.threshold=0.01"])
-    assert (cfg.dp.selection.name, cfg.dp.selection.epsilon, cfg.dp.selection.threshold) == ("sparse_vector", 1.0,
-                                                                                              0.01)
-    # swapping back and forth, and setting the whole section, work too
-    cfg = load_config(EXP, ["dp.selection.name=all", "dp.selection.name=uniform", "dp.selection.gamma=0.5"])
+def test_mechanism_swap_keeps_shared_keys_and_refuses_the_others(tmp_path):
+    base = load_config(EXP)
+    # the keys the new mechanism has stay (k: 500 for uniform); the others are refused by name, never dropped
+    msg = _error(tmp_path, Path(EXP).read_text(), ("dp.selection.name=uniform",))
+    assert msg == ("--set dp.selection.name=uniform: dp.selection.epsilon, score_clip, method of 'exponential' are "
+                   "not keys of uniform (never dropped silently); set the whole section instead: --set "
+                   "'dp.selection={name: uniform, k: 500}'")
+    assert load_config(EXP, ["dp.selection={name: uniform, k: 500}"]).dp.selection == UniformSelectionConfig(k=500)
+    assert load_config(EXP, ["dp.selection.name=exponential"]).dp.selection == base.dp.selection  # no swap
+    cfg = load_config(EXP, ["dp.selection={name: uniform, k: 3}"])
+    assert cfg.dp.selection == UniformSelectionConfig(k=3) and cfg.dp.noise_multiplier == base.dp.noise_multiplier
+    # from a section of shared keys only: the swap keeps them
+    small = tmp_path / "s.yaml"
+    small.write_text("dp: {selection: {name: uniform, k: 7}}\n")
+    cfg = load_config(small, ["dp.selection.name=exponential", "dp.selection.epsilon=0.1"])
+    assert (cfg.dp.selection.name, cfg.dp.selection.k, cfg.dp.selection.epsilon) == ("exponential", 7, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("section", "overrides", "needle"),
+    [  # a switch never picks the new mechanism's privacy parameter silently
+        ("{name: all}", ["dp.selection.name=gaussian_threshold"], "dp.selection.sigma: not given; switching "
+         "dp.selection to gaussian_threshold picks no default for its privacy parameter: add --set "
+         "dp.selection.sigma=VALUE"),
+        ("{name: uniform, k: 5}", ["dp.selection.name=exponential"], "dp.selection.epsilon: not given"),
+        ("{name: all}", ["dp.selection={name: sparse_vector}"], "dp.selection.epsilon: not given"),
+        ("{name: exponential, k: 5}", ["dp.selection.name=gaussian_threshold"],
+         "dp.selection.k of 'exponential' is not a key of gaussian_threshold (never dropped silently); set the whole "
+         "section instead: --set 'dp.selection={name: gaussian_threshold, sigma: ...}'"),
+    ],
+)
+def test_mechanism_swap_needs_the_privacy_parameters(tmp_path, section, overrides, needle):
+    assert needle in _error(tmp_path, f"dp: {{selection: {section}}}\n", tuple(overrides))
+
+
+def test_mechanism_swap_with_its_privacy_parameters_loads(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("dp: {selection: {name: all}}\n")
+    cfg = load_config(p, ["dp.selection.name=gaussian_threshold", "dp.selection.sigma=3"])
+    assert (cfg.dp.selection.name, cfg.dp.selection.sigma) == ("gaussian_threshold", 3.0)
+    cfg = load_config(p, ["dp.selection.name=exponential", "dp.selection.k=2", "dp.selection.epsilon=0.2"])
+    assert (cfg.dp.selection.k, cfg.dp.selection.epsilon) == (2, 0.2)
+    # calibration solves the knob: nothing to give
+    cfg = load_config(p, ["dp.selection.name=gaussian_threshold", "dp.target_epsilon=5",
+                          "dp.calibrate=selection_epsilon"])
+    assert cfg.dp.selection.name == "gaussian_threshold"
+    cfg = load_config(p, ["dp.selection.name=uniform", "dp.selection.gamma=0.5"])
     assert cfg.dp.selection == UniformSelectionConfig(gamma=0.5)
-    assert load_config(EXP, ["dp.selection={name: uniform, k: 3}"]).dp.selection == UniformSelectionConfig(k=3)
 
 
 def test_overrides_fill_null_sections_and_leave_aliases(tmp_path):
@@ -167,23 +203,35 @@ def _dp_configs() -> list[Path]:
     return out
 
 
+#: what a whole dp.selection section needs besides its name: k or gamma, and its privacy parameters
+_NEEDS = {"exponential": {"k": 1, "epsilon": 0.1}, "uniform": {"k": 1}, "sparse_vector": {"epsilon": 0.1},
+          "gaussian_threshold": {"sigma": 3.0}}
+
+
 @pytest.mark.parametrize("path", _dp_configs(), ids=lambda p: p.stem)
 @pytest.mark.parametrize("name", sorted(SELECTIONS))
 def test_every_mechanism_swap_of_every_shipped_dp_config_loads(path, name, tmp_path, monkeypatch):
+    """``--set dp.selection.name=NAME`` loads (keeping the shared keys) or is one line naming what it cannot keep;
+    the whole-section override always loads."""
     monkeypatch.chdir(tmp_path)  # movielens' ratings file is not shipped: a stand-in where its config looks
     (tmp_path / "data" / "ml-1m").mkdir(parents=True)
     (tmp_path / "data" / "ml-1m" / "ratings.dat").write_text("1::1::5::0\n")
-    overrides = [f"dp.selection.name={name}"]
-    if name in ("exponential", "uniform"):
-        overrides.append("dp.selection.k=1")  # these need k or gamma; no default
-    if name != "all":
-        overrides.append("dp.engine=widedp")  # opacus runs DP-SGD only
-    cfg = load_config(path, overrides)
-    assert cfg.dp.selection.name == name
+    engine = [] if name == "all" else ["dp.engine=widedp"]  # opacus runs DP-SGD only
     base = load_config(path)
-    assert cfg.dp.noise_multiplier == base.dp.noise_multiplier and cfg.train == base.train
-    if base.dp.selection.name == name:  # no swap: the file's keys stay (only k may have been overridden)
-        assert cfg.dp.selection == base.dp.selection or cfg.dp.selection.k == 1
+    old = {k: v for k, v in dataclasses.asdict(base.dp.selection).items() if k != "name"}
+    extra = [f"dp.selection.{k}={v}" for k, v in _NEEDS.get(name, {}).items() if k not in old]
+    try:
+        cfg = load_config(path, [f"dp.selection.name={name}", *extra, *engine])
+    except ConfigError as e:
+        assert "\n" not in str(e) and base.dp.selection.name != name
+        assert str(e).startswith((f"--set dp.selection.name={name}: dp.selection.", "dp.selection.")), str(e)
+    else:
+        assert cfg.dp.selection.name == name and cfg.dp.noise_multiplier == base.dp.noise_multiplier
+        kept = dataclasses.asdict(cfg.dp.selection)
+        assert all(kept[k] == v for k, v in old.items() if k in kept and f"dp.selection.{k}" not in " ".join(extra))
+    whole = ", ".join([f"name: {name}", *(f"{k}: {v}" for k, v in _NEEDS.get(name, {}).items())])
+    cfg = load_config(path, [f"dp.selection={{{whole}}}", *engine])
+    assert cfg.dp.selection.name == name and cfg.train == base.train
     assert config_from_dict(cfg.to_dict()) == cfg
 
 

@@ -37,7 +37,7 @@ from widedp.dp import rng
 from widedp.errors import ConfigError
 from widedp.run.trainers.sharded import check_shardable
 
-EXACT = ["--set", "dp.noise_multiplier=1e-6", "--set", "dp.accountant=rdp", "--set", "dp.selection.name=all",
+EXACT = ["--set", "dp.noise_multiplier=1e-6", "--set", "dp.accountant=rdp", "--set", "dp.selection={name: all}",
          "--set", "train.optimizer=sgd"]  # sigma > 0 is required; 1e-6 noise moves sgd's weights by ~1e-9
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

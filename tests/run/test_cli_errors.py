@@ -121,6 +121,14 @@ CASES = {
     "--set through a value": (lambda t, b: _good(t, b, "train.epochs.x=1"), "train.epochs is not a section"),
     "--set unknown key": (lambda t, b: _good(t, b, "train.epoch=1"), "train.epoch: unknown key"),
     "--set bare dp": (lambda t, b: _good(t, b, "dp="), "--set dp"),
+    "--set selection switch drops a key": (lambda t, b: _good(t, b, "dp.selection.name=all"),
+                                           "dp.selection.k of 'uniform' is not a key of all (never dropped silently); "
+                                           "set the whole section instead: --set 'dp.selection={name: all}'"),
+    "--set selection switch without sigma": (
+        lambda t, b: _good(t, b, "dp.selection={name: all}", "dp.selection.name=gaussian_threshold"),
+        "dp.selection.sigma: not given; switching dp.selection to gaussian_threshold picks no default"),
+    "--set selection switch without epsilon": (lambda t, b: _good(t, b, "dp.selection.name=exponential"),
+                                               "dp.selection.epsilon: not given"),
     # ------------------------------------------------------------------------------------------------ --resume
     "resume corrupted checkpoint": (lambda t, b: _resume(t, b, "checkpoint.pt", b"PK\x03\x04 garbage"),
                                     "checkpoint.pt"),

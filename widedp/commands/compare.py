@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from widedp.config import Config, config_from_dict
-from widedp.config.tools import apply_override, read_config_file, read_yaml_file, show
+from widedp.config.tools import apply_overrides, read_config_file, read_yaml_file, show
 from widedp.errors import ConfigError
 from widedp.run import rundir
 from widedp.run.checkpoint import CHECKPOINT, load_checkpoint, read_json, write_json
@@ -62,8 +62,7 @@ class SweepRun:
         raw = read_config_file(self.config_path)  # UTF-8, no repeated keys, no bare dp:
         for key, value in self.sets:
             _set(raw, key, copy.deepcopy(value))
-        for ov in self.cli:
-            apply_override(raw, ov)
+        apply_overrides(raw, self.cli)
         _set(raw, "train.seed", seed)
         return config_from_dict(raw)
 

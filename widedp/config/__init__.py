@@ -37,7 +37,7 @@ from widedp.config.selection import (  # noqa: F401  (the dp.selection section l
     refuse_renamed_method,
 )
 from widedp.config.tools import (
-    apply_override,
+    apply_overrides,
     build,
     expect_mapping,
     no_unknown,
@@ -269,8 +269,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     raw = read_config_file(path)
     if isinstance(raw, dict) and "runs" in raw and "train" not in raw:
         raise ConfigError(f"{path}: a sweep file (it has runs:), not a config; run it with widedp compare")
-    for ov in overrides:
-        apply_override(raw, ov)
+    apply_overrides(raw, overrides)
     return config_from_dict(raw)
 
 

@@ -40,6 +40,7 @@ class GaussianThresholdSelectionConfig:
 
     name: Literal["gaussian_threshold"] = "gaussian_threshold"
     selector: ClassVar[str] = "widedp.dp.selection.gaussian:GaussianThresholdSelector"
+    privacy_keys: ClassVar[tuple[str, ...]] = ("sigma",)  # a --set switch to it must give them (config.tools)
     sigma: float = 5.0
     threshold: float | None = None
     threshold_sigmas: float | None = None
@@ -117,6 +118,7 @@ class ExponentialSelectionConfig:
 
     name: Literal["exponential"] = "exponential"
     selector: ClassVar[str] = "widedp.dp.selection.exponential:ExponentialSelector"
+    privacy_keys: ClassVar[tuple[str, ...]] = ("epsilon",)
     k: int | None = None
     gamma: float | None = None
     epsilon: float = 1.0
@@ -159,6 +161,7 @@ class SparseVectorSelectionConfig:
 
     name: Literal["sparse_vector"] = "sparse_vector"
     selector: ClassVar[str] = "widedp.dp.selection.svt:SparseVectorSelector"
+    privacy_keys: ClassVar[tuple[str, ...]] = ("epsilon",)
     epsilon: float = 1.0
     threshold: float = 0.05
     cutoff: int = 1
@@ -241,7 +244,8 @@ def refuse_renamed_method(name: str, raw: dict) -> None:
 class SelectionConfig(Protocol):
     """What every ``dp.selection`` class has: its ``name`` and ``selector``, the import path of its selector class
     (whose ``from_config(cfg, num_rows=R)`` builds it). A new mechanism is its selector file, its config class and
-    one line in ``SELECTIONS``."""
+    one line in ``SELECTIONS``. A class with privacy parameters names them in ``privacy_keys`` (a ClassVar; none
+    when absent): ``--set dp.selection.name=`` switching to it must give them (``widedp.config.tools``)."""
 
     name: str
     selector: ClassVar[str]

@@ -346,9 +346,10 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     """Apply ``--set a.b.c=value`` (value parsed as YAML) to a raw config mapping in place.
 
     Missing or null sections on the path are created; the mappings on the path are copied first (so YAML aliases
-    elsewhere in the file are untouched). Setting ``dp.selection.name`` to a different mechanism replaces the section
-    with ``{name: NEW}`` (the new mechanism's defaults: the old one's keys mean other things or nothing there);
-    overrides after it then fill it in: ``--set dp.selection.name=uniform --set dp.selection.k=1``.
+    elsewhere in the file are untouched). Setting ``dp.selection.name`` to a different mechanism keeps the section's
+    keys the new mechanism has (``k: 500`` stays for ``uniform``) and refuses, naming them, those it has not (they
+    would be dropped silently); overrides after it fill it in: ``--set dp.selection.name=uniform --set
+    dp.selection.k=1``. ``apply_overrides`` then checks that the new mechanism's privacy parameters were given.
     """
     if not isinstance(override, str) or "=" not in override:
         raise ConfigError(f"--set {show(override)}: expected KEY=VALUE (e.g. train.epochs=5)")
@@ -374,6 +375,57 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
         elif not isinstance(child, dict):
             raise ConfigError(f"--set {shown}: {'.'.join(parts[:i + 1])} is not a section (it is {show(child)})")
         if parts[: i + 2] == ["dp", "selection", "name"] and child.get("name", value) != value:
-            child = {}  # a different mechanism: start from its defaults
+            child = _switched_selection(child, value)  # a different mechanism: the keys it shares stay
         node[part] = node = dict(child)
     node[parts[-1]] = value
+
+
+def _switched_selection(old: dict[str, Any], name: Any) -> dict[str, Any]:
+    """The ``dp.selection`` section ``old`` switched to mechanism ``name`` by ``--set dp.selection.name=``: the keys
+    the new mechanism has (``k``, ``gamma``, ``epsilon``, ...) stay; a key it has not is refused by name, with the
+    whole-section override that says what to keep."""
+    from widedp.config.selection import SELECTIONS
+
+    cls = SELECTIONS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        return {}  # an unknown name: the section's validation names it
+    fields = {f.name for f in dataclasses.fields(cls)}
+    dropped = [key_name(k) for k in old if k not in fields]
+    if dropped:
+        kept = {k: v for k, v in old.items() if k in fields and k != "name"}
+        example = ", ".join([f"name: {name}", *(f"{k}: {show(v)}" for k, v in kept.items()),
+                             *(f"{k}: ..." for k in getattr(cls, "privacy_keys", ()) if k not in kept)])
+        was = show(old.get("name"))
+        raise ConfigError(f"--set dp.selection.name={name}: dp.selection.{', '.join(dropped)} of {was} "
+                          f"{'is not a key' if len(dropped) == 1 else 'are not keys'} of {name} (never dropped "
+                          f"silently); set the whole section instead: --set 'dp.selection={{{example}}}'")
+    return dict(old)
+
+
+def _selection_name(raw: dict[str, Any]) -> Any:
+    """``dp.selection.name`` of a raw config (None where there is none)."""
+    dp = raw.get("dp")
+    sel = dp.get("selection") if isinstance(dp, dict) else None
+    return sel.get("name") if isinstance(sel, dict) else None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> None:
+    """``apply_override`` of each of ``overrides`` in turn; when they switch ``dp.selection`` to another mechanism,
+    its privacy parameters (the class's ``privacy_keys``: ``sigma`` of ``gaussian_threshold``, ``epsilon`` of
+    ``exponential``) must be given, by the overrides or kept from the old section: none is defaulted silently
+    (``dp.calibrate: selection_epsilon`` solves it instead)."""
+    from widedp.config.selection import SELECTIONS
+
+    before = _selection_name(raw)
+    for ov in overrides:
+        apply_override(raw, ov)
+    name = _selection_name(raw)
+    if name == before or not isinstance(name, str) or name not in SELECTIONS:
+        return
+    if raw["dp"].get("calibrate") == "selection_epsilon":
+        return
+    missing = [k for k in getattr(SELECTIONS[name], "privacy_keys", ()) if k not in raw["dp"]["selection"]]
+    if missing:
+        raise ConfigError(f"dp.selection.{missing[0]}: not given; switching dp.selection to {name} picks no default "
+                          f"for its privacy parameter: add --set dp.selection.{missing[0]}=VALUE (or calibrate it: "
+                          "dp.target_epsilon with dp.calibrate: selection_epsilon)")
