@@ -167,7 +167,7 @@ def canary_training_data(cfg: Config, canaries: list[list[str]], *, n_c: int, in
 
 
 def train_canary_run(cfg: Config, run_dir: Path, *, label: str, n_c: int, num_canaries: int, seed: int,
-                     progress: bool = False, overwrite: bool = False) -> Path:
+                     progress: bool | str = False, overwrite: bool = False) -> Path:
     """Train ``cfg`` with ``num_canaries`` canaries inserted ``n_c`` times each into ``run_dir``.
 
     A run directory that already holds the same canaries and a checkpoint of the same config is resumed (a finished

@@ -69,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--format", choices=["word2vec", "torch"], default="word2vec",
                    help="word2vec: CBOW input vectors for gensim (default); torch: the model's weights (any task)")
     x.add_argument("--out", help="release folder (default RUN_DIR/release)")
+    x.add_argument("--overwrite", action="store_true", help="replace a release already in --out")
     c = sub.add_parser("compare", help="run a sweep of configs x seeds; write curves.png, results.md, results.json")
     c.add_argument("sweep", help="sweep YAML ({runs: [{name, config, set, seeds}], panels})")
     c.add_argument("--out", help="output directory (default runs/<sweep name>)")
@@ -163,9 +164,12 @@ def _run(args: argparse.Namespace) -> int:
     return command(args)
 
 
-def _progress(args: argparse.Namespace) -> bool:
-    """Whether to draw a progress bar: not asked off, on a terminal, not under CI."""
-    return not args.no_progress and sys.stderr.isatty() and not os.environ.get("CI")
+def _progress(args: argparse.Namespace) -> bool | str:
+    """The progress output: none with --no-progress; a bar on a terminal (not under CI); else ``"lines"``, a plain
+    line per log interval (CI logs, nohup: no carriage returns)."""
+    if args.no_progress:
+        return False
+    return True if sys.stderr.isatty() and not os.environ.get("CI") else "lines"
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -180,6 +184,7 @@ def _train(args: argparse.Namespace) -> int:
             raise ConfigError("--resume: give only the run directory (its config.yaml is used)")
         run_dir = Path(args.resume)
         cfg = _run_config(run_dir)
+        _refuse_finished(run_dir)
     else:
         if args.config is None:
             raise ConfigError("train: a CONFIG file (or --resume DIR) is required")
@@ -225,7 +230,7 @@ def _export(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else run_dir / "release"
-    privacy = export_release(run_dir, out, fmt=args.format)
+    privacy = export_release(run_dir, out, fmt=args.format, overwrite=args.overwrite)
     print(out)
     _say_privacy(privacy)
     return 0
@@ -281,6 +286,24 @@ def _run_config(run_dir: Path) -> Config:
     except ConfigError as e:
         msg = str(e)
         raise ConfigError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+
+
+def _refuse_finished(run_dir: Path) -> None:
+    """``--resume`` of a run that has finished (its summary.json written): nothing to resume, and nothing of it is
+    rewritten."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return
+    from widedp.run.checkpoint import read_json
+
+    summary = read_json(path)
+    steps = summary.get("steps") if isinstance(summary, dict) else None
+    stopped = isinstance(summary, dict) and (summary.get("dp") or {}).get("stopped_by_budget")
+    raise ConfigError(f"--resume {run_dir}: the run has finished"
+                      + (f" ({steps} steps{', stopped by dp.target_epsilon' if stopped else ''})"
+                         if isinstance(steps, int) else "")
+                      + f"; nothing to resume: export it (widedp export {run_dir}), or train it again with "
+                        "--overwrite")
 
 
 #: beside the losses ``widedp train`` prints: they are computed on the private data, outside the privacy statement

@@ -2,7 +2,9 @@
 names the problem, no traceback, and leaves no run directory half-written (a new run's --out holds no run files; a
 resumed or exported run is byte-for-byte unchanged)."""
 
+import json
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -77,6 +79,19 @@ def _no_checkpoint(tmp, base):
     return ["train", "--resume", str(d), "--no-progress"]
 
 
+def _exported(tmp, base):
+    """A release of the finished run in tmp/rel, and another run to export there."""
+    assert main(["export", str(base / "done"), "--out", str(tmp / "rel")]) == 0
+    return ["export", str(_run_copy(tmp, base)), "--out", str(tmp / "rel")]
+
+
+def _zero_steps(tmp, base):
+    summary = json.loads((base / "done" / "summary.json").read_text())
+    summary["steps"], summary["dp"]["target_epsilon"] = 0, 0.01
+    return ["export", str(_run_copy(tmp, base, corrupt=("summary.json", json.dumps(summary).encode()))), "--out",
+            str(tmp / "rel")]
+
+
 def _sweep(tmp, base, text):
     shutil.copy(base / "good.yaml", tmp / "base.yaml")
     (tmp / "sweep.yaml").write_text(text)
@@ -146,6 +161,10 @@ CASES = {
                                       "different config"),
     "resume a non-run dir": (lambda t, b: ["train", "--resume", str(t)], "not a widedp run directory"),
     "resume a missing dir": (lambda t, b: ["train", "--resume", str(t / "nope")], "not a directory"),
+    "resume a finished run": (lambda t, b: ["train", "--resume", str(_run_copy(t, b)), "--no-progress"],
+                              "the run has finished (100 steps); nothing to resume: export it"),
+    "target epsilon allows no step": (lambda t, b: _good(t, b, "dp.target_epsilon=0.01"),
+                                      "dp.target_epsilon: 0.01 allows no training step (one step spends ε="),
     "resume with a config": (lambda t, b: ["train", str(b / "good.yaml"), "--resume", str(_run_copy(t, b))],
                              "give only the run directory"),
     # ------------------------------------------------------------------------------------------------ out, device
@@ -164,6 +183,10 @@ CASES = {
                                                str(t / "rel")], "has not finished"),
     "export into the run dir": (lambda t, b: ["export", str(_run_copy(t, b)), "--out", str(t / "run")],
                                 "folder of its own"),
+    "export over a release": (lambda t, b: _exported(t, b), "already holds a release (privacy.json, vectors.txt, "
+                              "vocab.json), perhaps another run's; replace it with --overwrite"),
+    "export a 0-step run": (lambda t, b: _zero_steps(t, b), "trained 0 steps (dp.target_epsilon=0.01 allowed none); "
+                            "nothing to release"),
     "export bad format": (lambda t, b: ["export", str(t), "--format", "onnx"], "invalid choice"),
     # ------------------------------------------------------------------------------------------------ canary
     "canary nothing to do": (lambda t, b: ["canary", "--out", str(t / "c")], "give CONFIG files"),
@@ -241,3 +264,35 @@ def test_the_machine_s_errors_are_one_line_exit_1(base, tmp_path, capsys):
     assert main(["export", str(base / "done"), "--out", str(tmp_path / "afile" / "rel")]) == 1
     (line,) = [x for x in capsys.readouterr().err.strip().splitlines() if "error" in x]
     assert line.startswith("widedp: error: ") and str(tmp_path / "afile") in line and "Traceback" not in line
+
+
+def test_a_release_is_shared_0644_and_replaced_only_with_overwrite(base, tmp_path, capsys):
+    rel = tmp_path / "rel"
+    assert main(["export", str(base / "done"), "--out", str(rel)]) == 0
+    assert stat.S_IMODE(rel.stat().st_mode) == 0o755
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in rel.iterdir()} == {
+        "privacy.json": 0o644, "vectors.txt": 0o644, "vocab.json": 0o644}
+    # the run's private state stays private
+    assert stat.S_IMODE((base / "done" / "private").stat().st_mode) == 0o700
+    assert stat.S_IMODE((base / "done" / "checkpoint.pt").stat().st_mode) == 0o600
+    (rel / "vectors.txt").write_text("old")
+    assert main(["export", str(base / "done"), "--out", str(rel), "--overwrite"]) == 0
+    assert (rel / "vectors.txt").read_text().startswith("11 8\n")
+
+
+def test_progress_is_a_line_per_interval_off_a_terminal(base, tmp_path, capsys):
+    """stderr is not a terminal here: a plain line per log interval (no carriage returns); --no-progress: none."""
+    argv = [a for a in _good(tmp_path, base) if a != "--no-progress"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("widedp: step ")]
+    assert [x.split()[2] for x in lines] == ["25/100", "50/100", "75/100", "100/100"] and "\r" not in err
+    assert "train_loss" in lines[0] and "samples/s" in lines[0]
+    assert main([*argv, "--out", str(tmp_path / "quiet"), "--no-progress"]) == 0
+    assert "widedp: step " not in capsys.readouterr().err
+
+
+def test_resume_says_from_which_step(base, tmp_path, capsys):
+    d = _run_copy(tmp_path, base, "unfinished")
+    assert main(["train", "--resume", str(d), "--no-progress"]) == 0
+    assert f"widedp: resuming {d} from step 100 of 100" in capsys.readouterr().err.splitlines()

@@ -229,7 +229,7 @@ def plan(d: Path, cfg: Config, *, overwrite: bool = False) -> str:
     raise ConfigError(f"{d}: {why}; use a new --out, or pass --overwrite to rerun it")
 
 
-def run_sweep(sweep: Sweep, out: Path, *, progress: bool = False, overwrite: bool = False,
+def run_sweep(sweep: Sweep, out: Path, *, progress: bool | str = False, overwrite: bool = False,
               keep_going: bool = False) -> dict[Path, str]:
     """Train every run x seed the plan says to (``plan``); every directory is checked before anything trains.
     Returns run directory -> action (``"failed: <one line>"`` for a run whose config error ``keep_going`` passed
@@ -384,7 +384,7 @@ def finished_part(sweep: Sweep, out: Path) -> Sweep:
                                groups=groups)
 
 
-def compare(path: str | Path, out: Path, *, overrides: list[str] | tuple[str, ...] = (), progress: bool = False,
+def compare(path: str | Path, out: Path, *, overrides: list[str] | tuple[str, ...] = (), progress: bool | str = False,
             overwrite: bool = False, keep_going: bool = False) -> list[dict[str, Any]]:
     """Run the sweep (reusing finished runs of the same config) and write curves.png, results.md, results.json.
     ``keep_going``: a run's config error is reported and the sweep goes on; the outputs cover the runs that

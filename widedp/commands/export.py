@@ -39,6 +39,10 @@ def _statement(run_dir: Path) -> dict[str, Any]:
     summary = read_json(path)
     if not isinstance(summary, dict) or not isinstance(summary.get("privacy"), dict):
         raise ConfigError(f"{path}: no privacy statement (written by an older widedp: re-run to export)")
+    if summary.get("steps") == 0:  # e.g. a dp.target_epsilon that allowed no step: the weights are the init's
+        target = (summary.get("dp") or {}).get("target_epsilon")
+        why = f" (dp.target_epsilon={target:g} allowed none)" if isinstance(target, (int, float)) else ""
+        raise ConfigError(f"{run_dir}: trained 0 steps{why}; nothing to release")
     return summary["privacy"]
 
 
@@ -86,8 +90,10 @@ def _recsys_release(run_dir: Path, state: dict[str, torch.Tensor], ids: Any
         raise ConfigError(f"{run_dir}: {e}") from None
 
 
-def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec") -> dict[str, Any]:
-    """Write the release of ``run_dir`` into ``out`` (created; must not hold anything else); returns the statement."""
+def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec", overwrite: bool = False) -> dict[str, Any]:
+    """Write the release of ``run_dir`` into ``out`` (created; must not hold anything else; a release already
+    there is replaced only with ``overwrite``); returns the statement. The release's files are 0644, its folder
+    0755: they are what is shared (the run directory's private state stays 0600/0700)."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
     if not run_dir.is_dir():
@@ -110,10 +116,7 @@ def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec") -> dict[s
         ids = read_json(run_dir / "ids.json")
         state, ids = _recsys_release(run_dir, state, ids)
     out = out.resolve()
-    if out == run_dir.resolve() or (run_dir.resolve() / "private") in (out, *out.parents):
-        raise ConfigError(f"--out {out}: choose a folder of its own (not the run directory or its private/)")
-    if out.exists() and (not out.is_dir() or set(p.name for p in out.iterdir()) - set(RELEASE_FILES[fmt])):
-        raise ConfigError(f"--out {out}: exists and holds other files; the release folder holds the release only")
+    _check_out(run_dir, out, fmt, overwrite=overwrite)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -128,6 +131,9 @@ def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec") -> dict[s
         if ids is not None:
             write_json(tmp / "ids.json", ids, indent=None)
         write_json(tmp / "privacy.json", statement)
+        for p in tmp.iterdir():
+            p.chmod(0o644)
+        tmp.chmod(0o755)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     except BaseException:
@@ -135,3 +141,17 @@ def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec") -> dict[s
         raise
     return statement
 
+
+def _check_out(run_dir: Path, out: Path, fmt: str, *, overwrite: bool) -> None:
+    """``out`` (resolved) may take the release: not the run directory or its private/, nothing but a release in it,
+    and a release only with ``overwrite`` (never replaced silently: it may be another run's)."""
+    if out == run_dir.resolve() or (run_dir.resolve() / "private") in (out, *out.parents):
+        raise ConfigError(f"--out {out}: choose a folder of its own (not the run directory or its private/)")
+    if not out.exists():
+        return
+    names = set(p.name for p in out.iterdir()) if out.is_dir() else {""}
+    if names - set(RELEASE_FILES[fmt]):
+        raise ConfigError(f"--out {out}: exists and holds other files; the release folder holds the release only")
+    if names and not overwrite:
+        raise ConfigError(f"--out {out}: already holds a release ({', '.join(sorted(names))}), perhaps another "
+                          "run's; replace it with --overwrite, or choose another folder")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -108,9 +109,11 @@ class RunState:
         return self.elapsed + time.perf_counter() - self.t0 - self.aside
 
 
-def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, data: Any = None) -> dict[str, Any]:
+def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool | str, data: Any = None
+        ) -> dict[str, Any]:
     """Train ``cfg`` into ``out`` (locked and prepared by the caller); returns the summary (also in summary.json).
-    ``data``: prepared data for the task's build (canaries, a sweep's shared corpus)."""
+    ``data``: prepared data for the task's build (canaries, a sweep's shared corpus). ``progress``: True (a bar),
+    ``"lines"`` (a line per log interval on stderr) or False."""
     t_setup = time.perf_counter()
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -130,6 +133,7 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool, dat
         state = RunState.resumed(ckpt)
         if trainer.is_writer:
             drop_metrics_after(out / "metrics.jsonl", state.step)
+            print(f"widedp: resuming {out} from step {state.step} of {trainer.total}", file=sys.stderr)
     loop = _Loop(cfg, trainer, built, out=out, device=device, state=state)
     if ckpt is None:
         loop.log_start(task)
@@ -183,6 +187,7 @@ class _Loop:
         self.splits = built.splits
         self.n = len(built.splits["train"])
         self.writer = trainer.is_writer
+        self.lines = False  # a plain progress line per log interval (``train``'s progress="lines")
         self.total, self.per_epoch = trainer.total, trainer.per_epoch
         self.metrics = (out / "metrics.jsonl").open("a") if self.writer else open(os.devnull, "w")  # noqa: SIM115
 
@@ -223,11 +228,13 @@ class _Loop:
         self.log({"kind": "start", "n_train": self.n, "n_units": None, "steps_per_epoch": self.per_epoch,
                   "total_steps": self.total, **start})
 
-    def train(self, *, progress: bool) -> float:
+    def train(self, *, progress: bool | str) -> float:
         """Step to the last step (or to the budget stop); returns the training seconds (``RunState.elapsed``
-        included; evaluation and checkpoints not)."""
+        included; evaluation and checkpoints not). ``progress``: True = a progress bar, ``"lines"`` = one plain
+        line per log interval on stderr (logs that are not a terminal), False = nothing."""
         s, trainer, tc = self.state, self.trainer, self.tc
-        bar = tqdm(total=self.total, initial=s.step, disable=not progress, unit="step", dynamic_ncols=True)
+        self.lines = progress == "lines" and self.writer
+        bar = tqdm(total=self.total, initial=s.step, disable=progress is not True, unit="step", dynamic_ncols=True)
         s.loss_acc = torch.zeros((), device=self.device)
         s.acc_steps, s.acc_samples, s.t0 = 0, 0, time.perf_counter()
         s.t_window, s.aside = s.t0, 0.0
@@ -260,8 +267,13 @@ class _Loop:
                "samples_per_s": s.acc_samples / (time.perf_counter() - s.t_window),
                **self.trainer.interval_stats(s.acc_steps, s.step)}
         self.log(rec)
-        bar.set_postfix(loss=f"{rec['train_loss']:.4f}",
-                        **({"eps": f"{s.history[-1]['epsilon']:.3g}"} if "epsilon" in s.history[-1] else {}))
+        eps = {"eps": f"{s.history[-1]['epsilon']:.3g}"} if "epsilon" in s.history[-1] else {}
+        bar.set_postfix(loss=f"{rec['train_loss']:.4f}", **eps)
+        if self.lines:
+            print(f"widedp: step {s.step}/{self.total} (epoch {epoch + 1}) train_loss {rec['train_loss']:.4f} "
+                  f"{rec['samples_per_s']:,.0f} samples/s"
+                  + (f" (ε {eps['eps']} at the end of epoch {s.history[-1]['epoch']})" if eps else ""),
+                  file=sys.stderr, flush=True)
         s.loss_acc.zero_()
         s.acc_steps, s.acc_samples, s.t_window = 0, 0, time.perf_counter()
 

@@ -24,7 +24,7 @@ from widedp.run import loop, rundir
 from widedp.tasks import AlgorithmTask, get_task
 
 
-def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True, data: Any = None,
+def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool | str = True, data: Any = None,
           overwrite: bool = False) -> dict[str, Any]:
     """Train ``cfg`` into run directory ``out``; returns the summary dict (also written to summary.json).
 
@@ -40,7 +40,7 @@ def train(cfg: Config, out: Path, *, resume: bool = False, progress: bool = True
         return loop.run(cfg, task, out, resume=resume, progress=progress, data=data)
 
 
-def train_rank(cfg: Config, out: Path, *, resume: bool, progress: bool, overwrite: bool) -> dict[str, Any]:
+def train_rank(cfg: Config, out: Path, *, resume: bool, progress: bool | str, overwrite: bool) -> dict[str, Any]:
     """``train`` in one rank of a distributed run (``widedp.distributed.ranks``): rank 0 locks and prepares ``out``,
     then every rank runs the loop. Returns the summary (rank 0's is the one written)."""
     import torch.distributed as dist

@@ -12,6 +12,7 @@ import torch
 from widedp import accounting
 from widedp.config import Config
 from widedp.dp import rng
+from widedp.errors import ConfigError
 from widedp.run import journal, plan
 from widedp.run import summary as run_summary
 
@@ -59,7 +60,20 @@ class PrivateTrainer:
                   file=sys.stderr)
         self.per_epoch = plan.steps_per_epoch(b, n, rate=self.dp.sampling_rate)
         self.total = plan.total_steps(self.cfg, n)
+        if self.cap == 0 and not self.resumed:
+            self._refuse_no_step()
         self.noise_gen = rng.generator(self.seeds.noise, self.device)
+
+    def _refuse_no_step(self) -> None:
+        """A budget that allows no training step: refused before the run starts (it would end "finished" with the
+        initial weights, which ``widedp export`` would release), naming what the prefix and one step spend."""
+        dp, prefix = self.dp, self.prefix
+        one = plan.composed_epsilon(prefix, dp, [(self.spend, 1)])
+        spent = f"one step spends ε={one:.4g}"
+        if prefix.entries:
+            spent = f"{prefix.what()} spends ε={plan.composed_epsilon(prefix, dp, []):.4g}, with one step ε={one:.4g}"
+        raise ConfigError(f"dp.target_epsilon: {dp.target_epsilon:g} allows no training step ({spent} at "
+                          f"δ={dp.delta:g}); raise it, or spend less per step (dp.noise_multiplier, the selection's)")
 
     def _prefix_ledger(self) -> accounting.Ledger:
         """A ledger of what is spent before the first step (``self.prefix.entries``, each part once)."""
