@@ -400,3 +400,27 @@ def test_fixed_sampling_rate_leaves_the_data_size_out_of_the_statement():
         assert eng.sampling_rate == (0.1 if q is None else q)
         assert eng.total_steps == 2 * (10 if q is None else 5)
         assert (SIZE_NOT_COVERED in eng.statement().not_covered) == (q is None)
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"clip1": 1.0, "noise_multiplier": 1.0}, 'PrivacyEngine: pass selection=, the row selection: {"name": "all"} '
+                                                  "is DP-SGD"),
+        ({"selection": {"name": "all"}, "noise_multiplier": 1.0}, "PrivacyEngine: pass clip1=, S1"),
+    ],
+)
+def test_a_missing_required_argument_says_what_to_pass(kw, needle):
+    with pytest.raises(TypeError) as e:
+        PrivacyEngine(**kw)
+    assert str(e.value).startswith(needle) and "\n" not in str(e.value)
+
+
+def test_make_private_without_epochs_says_what_to_pass():
+    model = nn.Embedding(10, 4)
+    data = DataLoader([(torch.tensor([i % 10]), i % 2) for i in range(20)], batch_size=4, collate_fn=collate_pairs)
+    eng = PrivacyEngine(selection={"name": "all"}, clip1=1.0, noise_multiplier=1.0)
+    with pytest.raises(TypeError) as e:
+        eng.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+    assert str(e.value).startswith("make_private: pass epochs=, the planned run's length in epochs")
+    assert eng._capture is None  # nothing hooked

@@ -110,10 +110,11 @@ class PrivacyEngine:
     """DP-sparse training of a wide model (see the module docstring).
 
     Args:
-        selection: the row selection: a ``widedp.config`` selection dataclass, or a dict like
+        selection: required: the row selection: a ``widedp.config`` selection dataclass, or a dict like
             ``{"name": "exponential", "k": 64, "epsilon": 0.05, "score_clip": 0.05}`` (``uniform``, ``sparse_vector``,
             ``gaussian_threshold``, ``random_sparsification``, ``all`` = DP-SGD; fields as in ``dp.selection``).
-        clip1: S1, each sample's L2 clip over everything it touched. clip2: S2, the selected gradient's (None: none).
+        clip1: required: S1, each sample's L2 clip over everything it touched. clip2: S2, the selected gradient's
+            (None: none).
         noise_multiplier: σ, relative to min(S1/b, 2·S2); or None with ``target_epsilon``: σ is calibrated so that
             the planned run (``epochs``) spends at most ``target_epsilon``.
         target_epsilon: also stops the run before a step would spend more (``BudgetExhausted``).
@@ -127,11 +128,17 @@ class PrivacyEngine:
             ``dp.noise``; needs ``accountant="rdp"``).
     """
 
-    def __init__(self, *, selection: SelectionConfig | dict[str, Any] | str, clip1: float, clip2: float | None = None,
-                 noise_multiplier: float | None = None, target_epsilon: float | None = None, delta: float = 1e-5,
-                 privacy_unit: str = "example", accountant: str = "pld", secure_rng: bool = True,
-                 seed: int = 0, sampling_rate: float | None = None,
+    def __init__(self, *, selection: SelectionConfig | dict[str, Any] | str | None = None, clip1: float | None = None,
+                 clip2: float | None = None, noise_multiplier: float | None = None,
+                 target_epsilon: float | None = None, delta: float = 1e-5, privacy_unit: str = "example",
+                 accountant: str = "pld", secure_rng: bool = True, seed: int = 0, sampling_rate: float | None = None,
                  noise: Literal["gaussian", "secure"] = "gaussian") -> None:
+        if selection is None:  # (required: None only to say so in words)
+            raise TypeError('PrivacyEngine: pass selection=, the row selection: {"name": "all"} is DP-SGD (every row), '
+                            'or e.g. {"name": "exponential", "k": 64, "epsilon": 0.05, "score_clip": 0.05}')
+        if clip1 is None:
+            raise TypeError("PrivacyEngine: pass clip1=, S1: each sample's L2 clip over everything it touched "
+                            "(e.g. clip1=1.0)")
         if noise_multiplier is None and target_epsilon is None:
             raise ConfigError("PrivacyEngine: give noise_multiplier, target_epsilon, or both")
         sigma = 1.0 if noise_multiplier is None else noise_multiplier  # 1.0: a placeholder until calibrated
@@ -157,7 +164,8 @@ class PrivacyEngine:
 
     # --------------------------------------------------------------------------------------------------- setup
 
-    def make_private(self, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any, *, epochs: int,
+    def make_private(self, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: Any, *,
+                     epochs: int | None = None,
                      loss_fn: Callable[[Any], Tensor] | None = None, loss_reduction: Literal["sum", "mean"] = "sum",
                      table_optimizer: str | None = None, check_independence: bool = True,
                      ) -> tuple[nn.Module, DPOptimizer, PoissonLoader]:
@@ -169,7 +177,7 @@ class PrivacyEngine:
             optimizer: a torch optimizer over ``model.parameters()``: it updates the dense layers with the noisy
                 gradient; tables get widedp's row optimizer (``widedp.api.update``).
             data_loader: a DataLoader over a map-style dataset; its ``batch_size`` is b, the expected batch size.
-            epochs: the planned run (calibration, the loader's length, the selection's epoch schedule).
+            epochs: required: the planned run (calibration, the loader's length, the selection's epoch schedule).
             loss_fn: batch -> [B] per-sample losses, as your loop computes them. Needed by the ``optimizer.step()``
                 loop: its first step checks with it that samples do not interact (``widedp.api.coupling``) and that
                 the backward matches ``loss_reduction``; without it that step refuses. (``engine.step(batch,
@@ -182,6 +190,9 @@ class PrivacyEngine:
         """
         if self._capture is not None:
             raise RuntimeError("make_private: this engine already trains a model; make a new PrivacyEngine")
+        if epochs is None:  # (required: None only to say so in words)
+            raise TypeError("make_private: pass epochs=, the planned run's length in epochs (it sets the loader's "
+                            "length, sigma's calibration and the budget), e.g. epochs=2")
         if epochs < 1 or loss_reduction not in ("sum", "mean"):
             raise ConfigError(f"make_private: epochs must be >= 1 and loss_reduction sum or mean, got {epochs}, "
                               f"{loss_reduction!r}")
