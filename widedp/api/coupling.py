@@ -7,24 +7,29 @@ path to another sample's outputs). A batch statistic that sends no gradient betw
 standardised over the batch (``x = (x - x.mean(0)) / x.std(0)`` in ``forward``, or in ``collate_fn``), a loss divided
 by a detached batch mean, padding to the batch's longest sequence without a mask. A sample's gradient then depends on
 which other samples share its batch, so adding one sample moves the others' clipped gradients and the step's
-sensitivity (S1) does not hold. ``check_batch_coupling`` fetches m <= 16 items once (randomness in ``__getitem__`` is
-frozen), collates sub-batches of them and compares each sample's gradient there with the whole m's::
+sensitivity (S1) does not hold. ``check_batch_coupling`` collates sub-batches of m <= 16 of the batch's items (items
+fetched once, so randomness of ``__getitem__`` is frozen; a dataset's ``__getitems__`` is called per sub-batch, since
+it may compute over what it fetches) and compares each sample's gradient there with its gradient among the m::
 
     items        [i0 i1 i2 i3 i4 i5 i6 i7]          one pass: g_j among all m
     halves       [i0 i1 i2 i3] [i4 i5 i6 i7]        two passes     } each sample's gradient must equal its g_j
     pairs        [i0 i1] [i2 i3] [i4 i5] [i6 i7]    m/2 passes     } (relative to its own norm; NaN only where NaN)
+    offset pairs [i1 i2] [i3 i4] [i5 i6] [i7 i0]    m/2 passes     } (no fixed pairing of the batch survives)
 
-Every pass runs in training mode with dropout off (dropout modules in eval mode, ``F.dropout`` and its variants the
-identity) from the same torch seed. Before comparing, the first sub-batch runs twice at one seed — a difference means
-state that changes between calls (a running statistic kept as a buffer or an attribute): refused — and once at
-another seed — a difference means randomness other than dropout (in ``collate_fn`` or ``forward``), under which
-sub-batches cannot be compared: refused, unless the caller opts out. Recorded calls, gradients, modes and the torch,
-numpy and Python random states are restored afterwards. What no computation here sees: statistics over the whole
-dataset computed before the loader, and coupling that appears only on some batches.
+and, for a batch of more than m items, the first m samples' gradients among all the batch's items with theirs among
+the m (a statistic that starts above m items). Every pass runs in training mode with dropout off (dropout modules and
+RReLU in eval mode, dropout's kernels the identity, however they are called) from one seed. A pass that still draws
+random numbers (torch, numpy or Python: noise, stochastic depth, random negatives in ``collate_fn``) is refused, as
+sub-batches cannot be compared then, unless the caller opts out; before comparing, one sub-batch runs twice, and a
+difference means state that changes between calls (a running statistic in a buffer, an attribute, or via ``.data``):
+refused. Recorded calls, gradients, modes and the torch, numpy and Python random states are restored afterwards.
+What no computation here sees: statistics over the whole dataset computed before the loader (or cached by a
+``collate_fn`` across calls), and coupling that appears only on some batches.
 
-``check_replay`` compares the per-sample gradients the step is about to use with ``loss_fn``'s on the loader's own
-batch, replayed from the random state the step started from: equal, or ~1/B of them (the backward ran on
-``loss.mean()`` while ``loss_reduction`` says ``sum``), or the step's batch or loss is not what was checked.
+``check_replay`` compares the per-sample gradients the step is about to use with ``loss_fn``'s on the batch the
+loader yielded, replayed from the random state the step started from: equal, or exactly 1/B or B of them (the
+backward ran on ``loss.mean()`` while ``loss_reduction`` says ``sum``), or the step's batch or loss is not what was
+checked; a batch changed in place since it was yielded (``x -= x.mean(0)``) is refused first.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from widedp.api.capture import Capture, Record, UnsupportedModelError
@@ -44,8 +48,11 @@ from widedp.api.per_sample import Layout, grads_of
 from widedp.dp.rowgrads import PerSampleRows
 from widedp.errors import ConfigError
 
-_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-_F_DROPOUT = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.RReLU)
+#: dropout's kernels, patched to the identity for the check wherever they are called from (F.dropout by any name,
+#: torch.dropout)
+_VF_DROPOUT = tuple(f"{kind}dropout{inplace}" for kind in ("", "feature_", "alpha_", "feature_alpha_")
+                    for inplace in ("", "_"))
 MAX_ITEMS = 16  # items the coupling check compares (sub-batch passes grow with them)
 OPT_OUT = "make_private(..., check_independence=False) skips these checks, and the statement then says so"
 #: the statement's entry when the caller skipped the checks
@@ -55,40 +62,76 @@ Pass = tuple[Tensor, PerSampleRows, list[Record]]
 
 
 def check_batch_coupling(capture: Capture, layout: Layout, loss_fn: Callable[[Any], Tensor],
-                         batch_of: Callable[[list[int]], Any], m: int, *, seed: int = 0) -> None:
+                         batch_of: Callable[[list[int]], Any], m: int, *, total: int | None = None,
+                         seed: int = 0) -> None:
     """Refuse a model whose samples' gradients change with the other samples of their batch (module docstring).
 
     Args:
-        loss_fn: batch -> [B] per-sample losses. batch_of: positions in [0, m) -> the batch of those items, as the
-            loader collates it. m: the number of items (< 3: nothing to compare, the check is skipped).
+        loss_fn: batch -> [B] per-sample losses. batch_of: positions in [0, total) -> the batch of those items, as the
+            loader collates it. m: the items compared in sub-batches (< 3: nothing to compare, the check is
+            skipped). total: all the batch's items (default m); when larger, its first m samples among all of them
+            must equal their gradients among the m (a statistic that starts above m items).
     """
     if m < 3:
         return
-    h = m // 2
-    parts = [list(range(h)), list(range(h, m))] + [[i, i + 1] for i in range(0, m - 1, 2)]
-    if m % 2:
-        parts.append([m - 2, m - 1])
     with _preserved(capture, layout), _check_mode(capture):
-        def run(pos: list[int], s: int = seed) -> Pass:  # the seed covers collate_fn's randomness too
-            torch.manual_seed(s)
-            with torch.enable_grad():
-                return grads_of(capture, layout, loss_fn, batch_of(pos))
+        def run(pos: list[int]) -> Pass:
+            return _seeded_pass(capture, layout, loss_fn, batch_of, pos, seed=seed)
 
-        first = run(parts[0])
-        if _differs(first[1], list(range(len(parts[0]))), run(parts[0])[1], dtype=layout.dtype):
-            raise UnsupportedModelError("two identical passes on the first batch gave different gradients: the model "
-                                        "or loss_fn changes state between calls in training mode (a running statistic "
-                                        "kept in a buffer or attribute learns from the data outside DP); keep such "
-                                        f"state fixed ({OPT_OUT})")
-        if _differs(first[1], list(range(len(parts[0]))), run(parts[0], seed + 1)[1], dtype=layout.dtype):
-            raise UnsupportedModelError("the first batch's gradients change with the random seed even with dropout "
-                                        "off (random ops in collate_fn or forward), so widedp cannot check that "
-                                        "samples do not interact; draw per-item randomness in the dataset's "
-                                        "__getitem__ (fetched once for the check) or make it deterministic "
-                                        f"({OPT_OUT})")
+        first = _probe(run, list(range(m // 2)), dtype=layout.dtype)
         full = run(list(range(m)))
-        for part in parts:
-            _compare(capture, full, first if part is parts[0] else run(part), part, dtype=layout.dtype)
+        for part in _parts(m):
+            _compare(capture, full, first if part == list(range(m // 2)) else run(part), part, dtype=layout.dtype)
+        if total is not None and total > m:
+            _compare(capture, run(list(range(total))), full, list(range(m)), dtype=layout.dtype)
+
+
+def _parts(m: int) -> list[list[int]]:
+    """Halves, pairs, and pairs offset by one (so that no fixed pairing of the batch survives), of m items."""
+    h = m // 2
+    pairs = [[i, i + 1] for i in range(0, m - 1, 2)] + ([[m - 2, m - 1]] if m % 2 else [])
+    offset = [[i, (i + 1) % m] for i in range(1, m, 2)]
+    return [list(range(h)), list(range(h, m))] + pairs + offset
+
+
+def _seeded_pass(capture: Capture, layout: Layout, loss_fn: Callable[[Any], Tensor],
+                 batch_of: Callable[[list[int]], Any], pos: list[int], *, seed: int) -> Pass:
+    """One pass from ``seed`` (collate_fn's randomness included); refuses any random draw it makes (dropout is off):
+    randomness other than dropout makes sub-batches incomparable."""
+    torch.manual_seed(seed)
+    before = _random_states()
+    with torch.enable_grad():
+        out = grads_of(capture, layout, loss_fn, batch_of(pos))
+    if not _same_states(before, _random_states()):
+        raise UnsupportedModelError("the first batch's pass draws random numbers even with dropout off (random ops "
+                                    "in collate_fn or forward, e.g. noise, RReLU, stochastic depth), so widedp cannot "
+                                    "check that samples do not interact; draw per-item randomness in the dataset's "
+                                    f"__getitem__ (fetched once for the check) or make it deterministic ({OPT_OUT})")
+    return out
+
+
+def _probe(run: Callable[[list[int]], Pass], pos: list[int], *, dtype: torch.dtype) -> Pass:
+    """Two identical passes must agree: state that changes across calls learns from the data outside DP."""
+    first = run(pos)
+    if _differs(first[1], list(range(len(pos))), run(pos)[1], dtype=dtype):
+        raise UnsupportedModelError("two identical passes on the first batch gave different gradients: the model or "
+                                    "loss_fn changes state between calls in training mode (a running statistic kept "
+                                    "in a buffer or attribute learns from the data outside DP); keep such state fixed "
+                                    f"({OPT_OUT})")
+    return first
+
+
+def _random_states() -> list[Any]:
+    states: list[Any] = [torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()]  # noqa: NPY002
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
+def _same_states(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x, y) if isinstance(x, Tensor) else bool(np.array_equal(x, y)) if isinstance(x, np.ndarray)
+        else x == y for x, y in zip(a, b))
 
 
 def check_replay(actual: PerSampleRows, reference: PerSampleRows, *, what: str, reduction: str | None) -> None:
@@ -188,10 +231,13 @@ def _differs(a: PerSampleRows, part: list[int], b: PerSampleRows, *, dtype: torc
     bad_b = va.new_zeros(count).index_add_(0, sb, (~vb.isfinite().all(1)).to(va.dtype)) > 0
     if not torch.equal(bad_a, bad_b):
         return True
-    width = max(a.num_rows, b.num_rows)
-    uniq, inv = torch.unique(torch.cat([sa, sb]) * width + torch.cat([ra, rb]), return_inverse=True)
-    diff = va.new_zeros(uniq.numel(), va.shape[1]).index_add_(0, inv, torch.cat([va, -vb]))
-    sample = torch.div(uniq, width, rounding_mode="floor")
+    if sa.shape == sb.shape and torch.equal(sa, sb) and torch.equal(ra, rb):  # the same entries in the same order
+        sample, diff = sa, va - vb
+    else:
+        width = max(a.num_rows, b.num_rows)
+        uniq, inv = torch.unique(torch.cat([sa, sb]) * width + torch.cat([ra, rb]), return_inverse=True)
+        diff = va.new_zeros(uniq.numel(), va.shape[1]).index_add_(0, inv, torch.cat([va, -vb]))
+        sample = torch.div(uniq, width, rounding_mode="floor")
     err = va.new_zeros(count).index_add_(0, sample, diff.nan_to_num(0.0, 0.0, 0.0).square().sum(1)).sqrt()
     own = torch.maximum(_norms_of(sa, va, count), _norms_of(sb, vb, count))
     rtol = max(1e-3, 8 * torch.finfo(dtype).eps)
@@ -229,19 +275,19 @@ def _preserved(capture: Capture, layout: Layout) -> Iterator[None]:
 
 @contextmanager
 def _check_mode(capture: Capture) -> Iterator[None]:
-    """Training mode with dropout off: dropout modules in eval mode, ``F.dropout`` and its variants the identity."""
+    """Training mode with dropout off: dropout modules (and RReLU) in eval mode, dropout's kernels the identity."""
     saved = [(m, m.training) for m in capture.model.modules()]
-    functions = {name: getattr(F, name) for name in _F_DROPOUT}
+    kernels = [(ns, name, getattr(ns, name)) for ns in (torch._VF, torch) for name in _VF_DROPOUT if hasattr(ns, name)]
     try:
         for m in capture.model.modules():
             if isinstance(m, _DROPOUT):
                 m.training = False
-        for name in _F_DROPOUT:
-            setattr(F, name, _identity)
+        for ns, name, _ in kernels:
+            setattr(ns, name, _identity)
         yield
     finally:
-        for name, f in functions.items():
-            setattr(F, name, f)
+        for ns, name, f in kernels:
+            setattr(ns, name, f)
         for m, mode in saved:
             m.training = mode
 
@@ -256,9 +302,11 @@ class FirstStepChecks:
     issued batch's items and the random state it was issued at. ``enabled`` False (the caller's opt-out) skips all."""
 
     def __init__(self, capture: Capture, layout: Layout, *, n: int, fetch_items: Callable[[list[int]], Any],
-                 collate: Callable[[list[Any]], Any], fetch: Callable[[list[int]], Any], enabled: bool) -> None:
+                 collate: Callable[[list[Any]], Any], fetch: Callable[[list[int]], Any], batched: bool,
+                 enabled: bool) -> None:
         self.capture, self.layout, self.n, self.enabled = capture, layout, n, enabled
-        self._fetch_items, self._collate, self._fetch = fetch_items, collate, fetch
+        self._fetch_items, self._collate, self._fetch, self._batched = fetch_items, collate, fetch, batched
+        self._versions: list[tuple[Tensor, int]] = []
         self.coupling_done = self.replay_done = not enabled
         self._items: list[int] = []
         self._batch: Any = None
@@ -268,15 +316,17 @@ class FirstStepChecks:
         """The loader yields ``batch`` (of ``items``) now: remember them and the random state (for the replay)."""
         self._items = items
         self._batch, self._rng = (batch, random_state(device)) if not self.replay_done else (None, None)
+        self._versions = [(t, t._version) for t in _tensors(batch)] if not self.replay_done else []
 
     def coupling(self, loss_fn: Callable[[Any], Tensor]) -> None:
         """``check_batch_coupling`` once, on the issued batch's first 16 items (padded to >= 4 with the dataset's
         first items)."""
         if self.coupling_done:
             return
-        items = self._items[:MAX_ITEMS]
+        items = list(self._items)
         items = items + [i for i in range(min(self.n, 8)) if i not in set(items)][: max(0, 4 - len(items))]
-        check_batch_coupling(self.capture, self.layout, loss_fn, self._batch_maker(items), len(items))
+        check_batch_coupling(self.capture, self.layout, loss_fn, self._batch_maker(items), min(len(items), MAX_ITEMS),
+                             total=len(items))
         self.coupling_done = True
 
     def replay(self, actual: PerSampleRows, loss_fn: Callable[[Any], Tensor], rng: dict[str, Any] | None, *,
@@ -286,13 +336,32 @@ class FirstStepChecks:
         rng = rng if rng is not None else self._rng
         if self.replay_done or rng is None or self._batch is None:
             return
+        if any(t._version != v for t, v in self._versions):
+            raise UnsupportedModelError(f"{what}: the batch the loader yielded was changed in place before the step "
+                                        "(e.g. x -= x.mean(0)): a change the checks cannot see, which may couple the "
+                                        "samples; change it out of place, in collate_fn (checked), or per item in "
+                                        f"__getitem__ ({OPT_OUT})")
         check_replay(actual, replayed_rows(self.capture, self.layout, loss_fn, self._batch, rng), what=what,
                      reduction=reduction)
         self.replay_done, self._batch, self._rng = True, None, None
 
     def _batch_maker(self, items: list[int]) -> Callable[[list[int]], Any]:
         """positions -> the batch of those of ``items``, from items fetched once (``__getitem__`` randomness frozen)."""
+        if self._batched:  # the dataset's own __getitems__ may compute over the items it fetches: call it per sub-batch
+            return lambda pos: self._fetch([items[p] for p in pos])
         got = self._fetch_items(items)
         if isinstance(got, list) and len(got) == len(items):
             return lambda pos: self._collate([got[p] for p in pos])
         return lambda pos: self._fetch([items[p] for p in pos])
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    """The tensors a batch holds: in tuples, lists, dicts, and the attributes of objects such as a KJT."""
+    if isinstance(batch, Tensor):
+        return [batch]
+    if isinstance(batch, (tuple, list)):
+        return [t for x in batch for t in _tensors(x)]
+    if isinstance(batch, dict):
+        return [t for x in batch.values() for t in _tensors(x)]
+    return [x for x in getattr(batch, "__dict__", {}).values() if isinstance(x, Tensor)]
+

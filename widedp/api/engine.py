@@ -212,7 +212,8 @@ class PrivacyEngine:
         self._capture, self._mean, self._loss_fn = capture, loss_reduction == "mean", loss_fn
         loader = PoissonLoader(self, dataset, data_loader.collate_fn)
         self._checks = FirstStepChecks(capture, self.layout, n=n, fetch_items=loader.fetch_items,
-                                       collate=data_loader.collate_fn, fetch=loader._fetch, enabled=check_independence)
+                                       collate=data_loader.collate_fn, fetch=loader._fetch,
+                                       batched=hasattr(dataset, "__getitems__"), enabled=check_independence)
         return model, DPOptimizer(self, optimizer), loader
 
     def _setup(self, capture: Capture, optimizer: torch.optim.Optimizer, *, n: int, b: int, epochs: int,

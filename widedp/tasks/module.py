@@ -102,6 +102,8 @@ class DatasetSplit:
 
     def batch_of_items(self, ids: list[int]) -> Callable[[list[int]], Any]:
         """positions -> the batch of those of items ``ids``, fetched once (randomness of ``__getitem__`` frozen)."""
+        if hasattr(self.dataset, "__getitems__"):  # it may compute over the items it fetches: call it per sub-batch
+            return lambda pos: self.batch(torch.tensor([ids[p] for p in pos], dtype=torch.long))
         items = [self.dataset[i] for i in ids]
         return lambda pos: _to(self.collate([items[p] for p in pos]), self.device)
 
