@@ -24,6 +24,8 @@ class Accountant(ABC):
             baseline, e.g. Opacus' PRV for DP-SGD alone).
         discrete_noise: it accounts for discrete Gaussian noise (``dp.noise: secure``).
         start_from: a cheaper accountant whose answer seeds calibration and the budget search (None: a default).
+        max_epsilon: the largest target ε calibration and the budget search solve for (None: any); a higher
+            ``dp.target_epsilon`` is refused in one line (e.g. the PLD's grid would not fit in memory).
         method: how it works, in one line (``report``'s ``method``).
     """
 
@@ -31,6 +33,7 @@ class Accountant(ABC):
     headline: ClassVar[bool] = True
     discrete_noise: ClassVar[bool] = True
     start_from: ClassVar[str | None] = None
+    max_epsilon: ClassVar[float | None] = None
     method: ClassVar[str] = ""
 
     def refusal(self, costs: Costs) -> str | None:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from widedp.accounting.accountant import _check, compose_epsilon, noise_part, selection_part
+from widedp.accounting.base import Accountant
 from widedp.accounting.parts import costs_of
 from widedp.accounting.pld import PLDRangeError
 from widedp.accounting.registry import accountant as named
@@ -147,6 +148,35 @@ def _solve(
     return math.exp(sign * br.lo)
 
 
+def _resolvable(target: float, acct: Accountant) -> None:
+    """A ConfigError naming dp.target_epsilon when ``target`` is above what ``acct`` resolves (``max_epsilon``)."""
+    if acct.max_epsilon is not None and target > acct.max_epsilon:
+        raise ConfigError(f"dp.target_epsilon: {target:g} is beyond what the {acct.name} accountant resolves (at most "
+                          f"{acct.max_epsilon:g}; an epsilon that large bounds nothing, and its privacy-loss grid "
+                          "would not fit in memory); lower it, or use dp.accountant: rdp")
+
+
+def _solve_resolved(f: Callable[[float], float], target: float, *, accountant: str, tol: float,
+                    **kw: float | bool) -> float:
+    """``_solve``, refusing in one line a result short of the target when points the accountant could not
+    resolve (``PLDRangeError``: counted as infinite) stood between it and the target."""
+    unresolved: list[float] = []
+
+    def g(x: float) -> float:
+        v = f(x)
+        if v == math.inf:
+            unresolved.append(x)
+        return v
+
+    x = _solve(g, target, tol=tol, **kw)  # type: ignore[arg-type]
+    reached = f(x)
+    if unresolved and reached < (1.0 - tol) * target:
+        raise ConfigError(f"dp.target_epsilon: {target:g} is beyond what the {accountant} accountant resolves here "
+                          f"(the largest epsilon it could compute was {reached:.4g}); lower it, or use "
+                          "dp.accountant: rdp")
+    return x
+
+
 def _rdp_start(solver: Callable[..., float], x_default: float, accountant: str, **kw: object) -> float:
     """Where the search starts: the answer of the accountant's cheaper ``start_from`` (5%), else ``x_default``."""
     start = named(accountant, baselines=True).start_from
@@ -160,10 +190,12 @@ def _rdp_start(solver: Callable[..., float], x_default: float, accountant: str, 
 
 def _fixed_part_eps(step: StepSpend, steps: int, delta: float, accountant: str, prefix: Prefix,
                     target: float, what: str, advice: str) -> float:
-    """eps of the part calibration holds fixed; a ConfigError when it alone reaches the target (no solution)."""
-    _check(delta, accountant)
+    """eps of the part calibration holds fixed; a ConfigError when it alone reaches the target (no solution) or
+    the target is beyond what the accountant resolves."""
+    acct = _check(delta, accountant)
     if not target > 0:
         raise ConfigError(f"dp.target_epsilon: must be > 0, got {target}")
+    _resolvable(target, acct)
     eps = _eps(step, steps, delta, accountant, prefix)
     if eps >= target:
         raise ConfigError(f"dp.target_epsilon: {target:g} is infeasible: {what} eps = {eps:.4g} over {steps} steps "
@@ -184,9 +216,9 @@ def calibrate_noise_multiplier(make_step: Callable[[float], StepSpend], *, steps
                               "epsilon or raise the target")
     kw = dict(make_step=make_step, steps=steps, delta=delta, target_epsilon=target_epsilon, prefix=prefix)
     x0 = _rdp_start(calibrate_noise_multiplier, 1.0, accountant, **kw)
-    return _solve(
-        lambda s: _eps_or_inf(make_step(s), steps, delta, accountant, prefix),
-        target_epsilon, increasing=False, x0=x0, x_min=1e-3, x_max=1e4, tol=tolerance, floor=sel_eps,
+    return _solve_resolved(
+        lambda s: _eps_or_inf(make_step(s), steps, delta, accountant, prefix), target_epsilon, accountant=accountant,
+        increasing=False, x0=x0, x_min=1e-3, x_max=1e4, tol=tolerance, floor=sel_eps,
     )
 
 
@@ -207,9 +239,9 @@ def calibrate_selection_epsilon(make_step: Callable[[float], StepSpend], *, step
     c = costs_of(make_step(1.0))
     n_mech = sum(n for _, n in c.bounded_range + c.pure) or 1
     x0 = _rdp_start(calibrate_selection_epsilon, min(1.0 / n_mech, max_epsilon), accountant, **kw)
-    return _solve(
-        lambda e: _eps_or_inf(make_step(e), steps, delta, accountant, prefix),
-        target_epsilon, increasing=True, x0=x0, x_min=1e-6, x_max=max_epsilon, tol=tolerance, floor=noise_eps,
+    return _solve_resolved(
+        lambda e: _eps_or_inf(make_step(e), steps, delta, accountant, prefix), target_epsilon, accountant=accountant,
+        increasing=True, x0=x0, x_min=1e-6, x_max=max_epsilon, tol=tolerance, floor=noise_eps,
     )
 
 
@@ -219,9 +251,10 @@ def max_steps(
 ) -> int:
     """The largest T <= ``limit`` with eps(prefix + T identical steps) <= target (0 when one step already exceeds
     it)."""
-    _check(delta, accountant)
+    acct = _check(delta, accountant)
     if not target_epsilon > 0:
         raise ConfigError(f"dp.target_epsilon: must be > 0, got {target_epsilon}")
+    _resolvable(target_epsilon, acct)
     cache: dict[int, float] = {}
 
     def g(t: int) -> float:  # log eps(t) - log target: <= 0 iff t is within budget
@@ -232,7 +265,7 @@ def max_steps(
     if g(1) > 0:
         return 0
     t = 1
-    start = _check(delta, accountant).start_from
+    start = acct.start_from
     if start is not None:  # start from the cheaper accountant's answer (usually within a factor of a few)
         t = max(1, max_steps(step, delta=delta, target_epsilon=target_epsilon, accountant=start, limit=limit,
                              prefix=prefix))

@@ -52,6 +52,7 @@ import numpy as np
 from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pldm
+from scipy import fft
 from scipy.special import log_ndtr, ndtr
 
 from widedp.accounting.base import Accountant
@@ -62,6 +63,9 @@ from widedp.errors import ConfigError
 DEFAULT_DISCRETIZATION = 1e-4
 _GAUSS_TAIL_SD = 10.0  # Gaussian losses beyond mean +- 10 sd (mass < 1e-23) are lumped pessimistically
 _MAX_GRID = 5_000_000  # largest per-step privacy-loss grid (points) we build
+#: largest composed privacy-loss grid (points): its FFT holds a few complex arrays of this length (~0.5 GB in all);
+#: a wider one (an epsilon of hundreds or thousands) is refused before it is allocated
+_MAX_COMPOSED_GRID = 2**23
 _TAIL = 1e-20  # per-step hockey-stick mass below which the subsampled pair's upper tail is sent to +infinity
 _COMPOSE_TAIL = 1e-15  # dp_accounting's default tail truncation in compositions (pessimistic: goes to +infinity)
 
@@ -311,10 +315,34 @@ def compose_pld(runs: Sequence[tuple[Costs, int]], d: float = DEFAULT_DISCRETIZA
         if n <= 0 or costs.is_free:
             continue
         p = step_pld(costs, d)
-        p = p.self_compose(n) if n > 1 else p
+        p = _self_compose(p, n) if n > 1 else p
         out = p if out is None else out.compose(p)
     # a composition's excess is count x a step's (1e-7 x 1e5 steps = 1e-2); what must never pass is an overflow
     return pldm.identity(d) if out is None else _check_mass(out, 0.5, "this ledger")
+
+
+def _self_compose(pld: PLD, n: int) -> PLD:
+    """``pld`` composed with itself ``n`` times: dp_accounting's ``self_compose`` (the same Chernoff truncation
+    at ``_COMPOSE_TAIL`` and FFT), with the composed grid's size checked before the FFT allocates it."""
+    remove = _self_compose_pmf(pld._pmf_remove, n)
+    return PLD(remove) if pld._symmetric else PLD(remove, _self_compose_pmf(pld._pmf_add, n))
+
+
+def _self_compose_pmf(pmf: pld_pmf.PLDPmf, n: int) -> pld_pmf.PLDPmf:
+    """``DensePLDPmf.self_compose(n, _COMPOSE_TAIL)`` step by step (private fields: no accessor in dp_accounting
+    0.6.0); a ``PLDRangeError`` when its grid would exceed ``_MAX_COMPOSED_GRID`` points."""
+    if not isinstance(pmf, pld_pmf.DensePLDPmf):
+        return pmf.self_compose(n, _COMPOSE_TAIL)
+    probs = pmf._probs
+    lo, hi = pld_common.compute_self_convolve_bounds(probs, n, _COMPOSE_TAIL)
+    size = hi - lo + 1
+    if size > _MAX_COMPOSED_GRID:
+        raise PLDRangeError(f"pld accountant: {n} composed steps need a {size}-point privacy-loss grid (limit "
+                            f"{_MAX_COMPOSED_GRID}): epsilon in the hundreds or more; use accountant rdp")
+    spectrum = fft.fft(probs, fft.next_fast_len(max(size, len(probs))))
+    out = np.array(np.roll(np.real(fft.ifft(spectrum**n)), -lo)[:size])
+    inf = _COMPOSE_TAIL - math.expm1(n * math.log1p(-pmf._infinity_mass))
+    return pld_pmf.DensePLDPmf(pmf._discretization, pmf._lower_loss * n + lo, out, inf, pmf._pessimistic_estimate)
 
 
 def _log_suffix_sum(log_terms: np.ndarray) -> np.ndarray:
@@ -367,6 +395,9 @@ class PLDAccountant(Accountant):
     name = "pld"
     discrete_noise = False
     start_from = "rdp"
+    #: a target of ε = 100 (already a vacuous bound) composes grids of up to ~10^6 - 10^7 points; far above it they
+    #: exceed ``_MAX_COMPOSED_GRID`` and the search could only report what it cannot resolve
+    max_epsilon = 100.0
     method = ("dominating pair per step: N(1,s^2) x selection pair (bounded-range envelope per exponential pick, "
               "randomized response per pure-DP mechanism), Poisson-subsampled once, pessimistic connect-the-dots "
               f"(interval {DEFAULT_DISCRETIZATION:g}), FFT self-composition, max over add/remove")
