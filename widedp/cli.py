@@ -116,7 +116,8 @@ def _canary_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--num-canaries", type=int, help="canaries (and as many controls); default 1000 when training, "
                    "all saved ones with --runs")
     k.add_argument("--num-candidates", type=int, default=10_000, help="random phrases per rank (default 10000)")
-    k.add_argument("--bins", type=int, default=20, help="rank-histogram bins of the chi2 test (default 20)")
+    k.add_argument("--bins", type=int, help="rank-histogram bins of the chi2 test (default 20, at most "
+                   "--num-candidates + 1)")
     k.add_argument("--seed", type=int, default=0, help="seeds the canaries, their positions and the candidates")
     k.add_argument("--method", choices=["auto", "factorized", "log_prob"], default="auto",
                    help="rank computation (auto: closed form for the CBOW)")
@@ -323,6 +324,8 @@ def _canary(args: argparse.Namespace) -> int:
     if bool(args.runs) == bool(args.configs):
         raise ConfigError("canary: give CONFIG files to train, or --runs RUN_DIR ... to evaluate (not both)")
     num = args.num_canaries if args.num_canaries is not None else (1000 if args.configs else None)
+    if args.bins is None:  # the default fits the candidates: a rank takes num_candidates + 1 values
+        args.bins = max(2, min(20, args.num_candidates + 1))
     cr.check_args(ncs=args.nc, num_canaries=1 if num is None else num, num_candidates=args.num_candidates,
                   bins=args.bins)
     out = Path(args.out)

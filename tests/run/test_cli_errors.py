@@ -3,6 +3,7 @@ names the problem, no traceback, and leaves no run directory half-written (a new
 resumed or exported run is byte-for-byte unchanged)."""
 
 import json
+import os
 import shutil
 import stat
 from pathlib import Path
@@ -92,6 +93,11 @@ def _zero_steps(tmp, base):
             str(tmp / "rel")]
 
 
+def _fifo(tmp):
+    os.mkfifo(tmp / "fifo")
+    return tmp / "fifo"
+
+
 def _sweep(tmp, base, text):
     shutil.copy(base / "good.yaml", tmp / "base.yaml")
     (tmp / "sweep.yaml").write_text(text)
@@ -123,6 +129,12 @@ CASES = {
     # ------------------------------------------------------------------------------------------------ text corpora
     "corpus missing": (lambda t, b: _config(t, f"data: {{preset: custom, corpus: 'text:{t / 'no.txt'}'}}\n"),
                        "no.txt"),
+    "corpus a directory": (lambda t, b: _config(t, f"data: {{preset: custom, corpus: 'text:{t}'}}\n"),
+                           "is a directory, not a regular file"),
+    "corpus /dev/zero": (lambda t, b: _config(t, "data: {preset: custom, corpus: 'text:/dev/zero'}\n"),
+                         "data.corpus: /dev/zero is a device, not a regular file"),
+    "corpus a FIFO": (lambda t, b: _config(t, f"data: {{preset: custom, corpus: 'text:{_fifo(t)}'}}\n"),
+                      "is a FIFO (named pipe), not a regular file"),
     "corpus empty": (lambda t, b: _corpus(t, ""), "corpus"),
     "corpus binary": (lambda t, b: _corpus(t, NUL), "NUL byte"),
     "corpus non-UTF-8": (lambda t, b: _corpus(t, "caf\xe9 ol\xe9\n".encode("latin-1") * 50), "corpus"),
@@ -196,6 +208,10 @@ CASES = {
     "canary nc a word": (lambda t, b: ["canary", "--runs", str(t), "--nc", "x"], "invalid int value"),
     "canary not cbow": (lambda t, b: ["canary", "configs/brown_glm_dp_agd.yaml", "--out", str(t / "c")],
                         "canary needs task cbow"),
+    "canary one candidate": (lambda t, b: ["canary", "--runs", str(_run_copy(t, b)), "--num-candidates", "1",
+                                           "--out", str(t / "c")], "canar"),  # (the --bins default fits it)
+    "canary bins over candidates": (lambda t, b: ["canary", "--runs", str(t), "--num-candidates", "1", "--bins", "5"],
+                                    "--bins: need 2 <= bins <= num_candidates + 1 = 2, got 5"),
     "canary runs not canary runs": (lambda t, b: ["canary", "--runs", str(_run_copy(t, b)), "--out",
                                                   str(t / "c")], "canar"),
     # ------------------------------------------------------------------------------------------------ compare
@@ -296,3 +312,33 @@ def test_resume_says_from_which_step(base, tmp_path, capsys):
     d = _run_copy(tmp_path, base, "unfinished")
     assert main(["train", "--resume", str(d), "--no-progress"]) == 0
     assert f"widedp: resuming {d} from step 100 of 100" in capsys.readouterr().err.splitlines()
+
+
+def test_resume_of_a_read_only_run_says_it_cannot_write_there(base, tmp_path, capsys, monkeypatch):
+    """(root ignores file modes: the lock file's open is refused as on a read-only run directory)"""
+    from widedp.run import rundir
+
+    d = _run_copy(tmp_path, base, "unfinished")
+    (d / ".lock").unlink(missing_ok=True)
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if str(path).endswith(rundir.LOCK):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(rundir.os, "open", read_only)
+    assert main(["train", "--resume", str(d), "--no-progress"]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert lines == [f"widedp: error: {d}: cannot write in the run directory (to lock it) (Permission denied)"]
+
+
+def test_more_processes_than_cores_say_so(capsys, monkeypatch):
+    from widedp.distributed.launch import warn_oversubscribed
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    warn_oversubscribed(2)
+    assert capsys.readouterr().err == ""
+    warn_oversubscribed(64)
+    assert capsys.readouterr().err == ("widedp: warning: --nproc 64 on 2 CPU core(s): the processes share them and "
+                                       "start slowly (each imports torch); at most 2 is faster here\n")

@@ -133,6 +133,7 @@ def test_resume_refuses_a_different_training_split(tmp_path, capsys):
     cfg = _config(tmp_path, steps=20, ckpt_every=10)
     out = tmp_path / "run"
     assert main(["train", str(cfg), "--out", str(out), "--no-progress", "--set", "train.max_steps=10"]) == 0
+    (out / "summary.json").unlink()  # (a finished run is not resumed at all)
     state = torch.load(out / CHECKPOINT, weights_only=True)
     n = state["n_train"]
     for tamper, says in (({**state, "n_train": n + 1}, f"{n + 1:,} examples then, {n:,} now"),

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-from widedp.config.tools import check_splits, data_cache_key, nonneg, positive
+from widedp.config.tools import check_input_file, check_splits, data_cache_key, nonneg, positive
 from widedp.errors import ConfigError
 
 #: Named preprocessing presets; explicit keys in ``data:`` override them.
@@ -143,8 +142,8 @@ class DataConfig(TokenFilter):
         positive("data.max_samples_per_unit", self.max_samples_per_unit)
         if not (self.vocabulary in ("private_top", "dp") or self.vocabulary.startswith("file:")):
             raise ConfigError(f"data.vocabulary: expected private_top, dp or file:PATH, got {self.vocabulary!r}")
-        if self.vocabulary.startswith("file:") and not Path(self.vocabulary[5:]).expanduser().is_file():
-            raise ConfigError(f"data.vocabulary: file not found: {self.vocabulary[5:]}")
+        if self.vocabulary.startswith("file:"):
+            check_input_file("data.vocabulary", self.vocabulary[5:])
         if self.vocabulary == "dp" and self.privacy_unit == "pair":
             raise ConfigError("data.vocabulary: dp counts words per sentence or document; it needs "
                               "data.privacy_unit: sentence or document (a pair is not a unit of the corpus)")
@@ -157,8 +156,8 @@ class DataConfig(TokenFilter):
         check_splits(self.splits)
         if not (self.corpus == "brown" or self.corpus.startswith(("text:", "hf:"))):
             raise ConfigError(f"data.corpus: expected 'brown', 'text:PATH' or 'hf:NAME', got {self.corpus!r}")
-        if self.corpus.startswith("text:") and not Path(self.corpus[5:]).expanduser().is_file():
-            raise ConfigError(f"data.corpus: file not found: {self.corpus[5:]}")
+        if self.corpus.startswith("text:"):
+            check_input_file("data.corpus", self.corpus[5:])
 
     def cache_key(self) -> str:
         """Hash of every parameter that changes the prepared arrays (not where they are cached, nor the DP

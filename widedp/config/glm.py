@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from widedp.accounting.registry import accountant
 from widedp.config.data import TokenFilter
-from widedp.config.tools import data_cache_key, nonneg, positive
+from widedp.config.tools import check_input_file, data_cache_key, nonneg, positive
 from widedp.errors import ConfigError
 
 DATA_PRESETS: dict[str, dict[str, Any]] = {
@@ -84,8 +83,8 @@ class GLMDataConfig(TokenFilter):
                               f"{list(self.splits)}")
         if not (self.corpus == "brown" or self.corpus.startswith("text:")):
             raise ConfigError(f"data.corpus: expected 'brown' or 'text:PATH', got {self.corpus!r}")
-        if self.corpus.startswith("text:") and not Path(self.corpus[5:]).expanduser().is_file():
-            raise ConfigError(f"data.corpus: file not found: {self.corpus[5:]}")
+        if self.corpus.startswith("text:"):
+            check_input_file("data.corpus", self.corpus[5:])
         if self.labels == "group" and self.corpus != "brown":
             raise ConfigError("data.labels: 'group' is defined for the Brown corpus only")
 

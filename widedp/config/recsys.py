@@ -12,10 +12,9 @@ then the extra categorical features the source provides).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Literal
 
-from widedp.config.tools import check_splits, data_cache_key, nonneg, positive
+from widedp.config.tools import check_input_file, check_splits, data_cache_key, nonneg, positive
 from widedp.errors import ConfigError
 
 #: Named data presets; explicit ``data:`` keys override them. The first one is the default.
@@ -110,8 +109,8 @@ class RecsysDataConfig:
         if not (self.source in ("synthetic", "movielens100k") or self.source.startswith(("ratings:", "hf:"))):
             raise ConfigError(f"data.source: expected 'synthetic', 'movielens100k', 'ratings:PATH' or 'hf:NAME', "
                               f"got {self.source!r}")
-        if self.source.startswith("ratings:") and not Path(self.source[8:]).expanduser().is_file():
-            raise ConfigError(f"data.source: file not found: {self.source[8:]} (see the movielens config's comments)")
+        if self.source.startswith("ratings:"):
+            check_input_file("data.source", self.source[8:], " (see the movielens config's comments)")
         if self.source == "hf:":
             raise ConfigError("data.source: hf: needs a dataset name or a save_to_disk directory")
 

@@ -54,6 +54,19 @@ def check_splits(splits: tuple[float, ...]) -> None:
         raise ConfigError("data.splits: the train split is empty")
 
 
+def check_input_file(key: str, path: str, hint: str = "") -> None:
+    """``path`` (a config's input file, ``~`` expanded) is a regular file: a missing path, a directory, a device
+    (/dev/zero) or a FIFO is a ``ConfigError`` naming ``key`` and what the path is."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return
+    if not p.exists():
+        raise ConfigError(f"{key}: file not found: {path}{hint}")
+    what = ("a directory" if p.is_dir() else "a FIFO (named pipe)" if p.is_fifo() else
+            "a device" if p.is_char_device() or p.is_block_device() else "not a regular file")
+    raise ConfigError(f"{key}: {path} is {what}, not a regular file")
+
+
 def data_cache_key(cfg: Any, file: str | None = None, *, drop: tuple[str, ...] = ()) -> str:
     """Hash of a data config's fields except ``cache_dir``/``preset`` and ``drop`` (keys that do not change the
     prepared arrays), and of a local input file's identity."""

@@ -24,6 +24,7 @@ def launch(nproc: int, argv: list[str]) -> int:
         raise ConfigError(f"--nproc: expected a number of processes >= 1, got {nproc}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("--nproc: this process is already one rank of a distributed run (torchrun); drop --nproc")
+    warn_oversubscribed(nproc)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N processes share the cores
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
@@ -34,3 +35,12 @@ def launch(nproc: int, argv: list[str]) -> int:
         _, failure = e.get_first_failure()
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
+
+
+def warn_oversubscribed(nproc: int) -> None:
+    """One line on stderr when ``nproc`` processes are more than the CPU cores this process may use: they share
+    them (each rank also starts its own Python and torch), so the run starts and steps slowly."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if nproc > cores:
+        print(f"widedp: warning: --nproc {nproc} on {cores} CPU core(s): the processes share them and start slowly "
+              f"(each imports torch); at most {cores} is faster here", file=sys.stderr)

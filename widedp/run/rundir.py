@@ -39,7 +39,8 @@ def locked(out: Path) -> Iterator[None]:
         out.mkdir(parents=True, exist_ok=True)
         fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as e:
-        raise ConfigError(f"{out}: cannot create the run directory ({e.strerror})") from None
+        doing = "create the run directory" if created else "write in the run directory (to lock it)"
+        raise ConfigError(f"{out}: cannot {doing} ({e.strerror})") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -222,8 +222,10 @@ class CBOWTask(LoopTask):
         return UnitFacts(unit, gaps, includes)
 
     def warn(self, cfg: Config) -> None:
-        """``data.vocabulary: private_top`` with DP: say on stderr that the vocabulary is not private."""
-        if cfg.dp is not None and cfg.data.vocabulary == "private_top":
+        """``data.vocabulary: private_top`` with DP: say on stderr that the vocabulary is not private, once per
+        process (a sweep or a benchmark trains many runs; each run's statement lists it as not covered)."""
+        if cfg.dp is not None and cfg.data.vocabulary == "private_top" and "private_top" not in WARNED:
+            WARNED.add("private_top")
             print("widedp: warning: data.vocabulary: private_top — the vocabulary and the negative-sampling "
                   "distribution come from the training corpus WITHOUT privacy (not covered by ε); use "
                   "data.vocabulary: dp or file:PATH", file=sys.stderr)
@@ -232,5 +234,8 @@ class CBOWTask(LoopTask):
         """The prepared corpus, shared by a sweep's runs of the same data (not a DP vocabulary: drawn per run)."""
         return None if cfg.data.vocabulary == "dp" else prepare_cbow(cfg.data)
 
+
+#: the warnings this process has printed (``CBOWTask.warn``: once per process)
+WARNED: set[str] = set()
 
 TASK = CBOWTask()
