@@ -25,6 +25,7 @@ import numpy as np
 from widedp.config import DataConfig
 from widedp.config.data import TokenFilter
 from widedp.errors import ConfigError
+from widedp.extras import needs
 
 #: Tokeniser of ``text:`` and ``hf:`` corpora: runs of word characters, or single punctuation marks.
 TOKEN_RE = re.compile(r"\w+|[^\w\s]")
@@ -171,7 +172,8 @@ def _hf_sentences(cfg: DataConfig, limit: int | None) -> list[list[str]]:
     name, _, config = cfg.corpus[3:].partition(":")
     if not name:
         raise ConfigError(f"data.corpus: expected hf:NAME[:CONFIG], got {cfg.corpus!r}")
-    import datasets
+    with needs("data", "data.corpus: hf:NAME"):
+        import datasets
 
     try:
         ds = datasets.load_dataset(name, config or None, split=cfg.hf_split)

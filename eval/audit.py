@@ -41,6 +41,7 @@ from widedp.errors import ConfigError
 from widedp.eval import audit_bound as ab
 from widedp.eval.audit_canaries import init_canary_rows, make_canaries, with_canaries
 from widedp.eval.audit_scores import SelectionRatio, StepObserver, canary_grads, rows_of, white_box
+from widedp.extras import pyplot
 from widedp.run.checkpoint import write_json
 from widedp.tasks.cbow import CBOWTask, build_cbow, cbow_data
 from widedp.tasks.protocol import Built
@@ -255,12 +256,11 @@ def format_line(report: dict[str, Any]) -> str:
 
 
 def plot_audit(scores: dict[str, np.ndarray], coins: np.ndarray, report: dict[str, Any], path: Path) -> None:
-    """Histograms of each score, included vs excluded canaries, with each score's bound (the figure)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Histograms of each score, included vs excluded canaries, with each score's bound (the figure; skipped
+    without matplotlib, the eval extra)."""
+    plt = pyplot(f"the audit figure ({path.name})")
+    if plt is None:
+        return
     fig, axes = plt.subplots(1, len(scores), figsize=(4.2 * len(scores), 3.2), squeeze=False)
     for ax, (name, s) in zip(axes[0], scores.items()):
         bins = np.histogram_bin_edges(s, bins=30)

@@ -13,11 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
+
+from widedp.extras import pyplot
 
 
 def position_histogram(stats: dict[str, Any], num_candidates: int, bins: int) -> tuple[np.ndarray, np.ndarray,
@@ -37,9 +35,12 @@ def position_histogram(stats: dict[str, Any], num_candidates: int, bins: int) ->
     return edges, counts, width * (counts.sum() / m)
 
 
-def plot_rank_grid(results: list[dict[str, Any]], path: Path, *, num_candidates: int, bins: int) -> Path:
+def plot_rank_grid(results: list[dict[str, Any]], path: Path, *, num_candidates: int, bins: int) -> Path | None:
     """One histogram of canary positions per (n_c, model) from ``evaluate_run`` results; the dashed line is
-    uniform. One y-scale for every panel."""
+    uniform. One y-scale for every panel. None (nothing drawn) without matplotlib (the eval extra)."""
+    plt = pyplot(f"the canary rank histograms ({path.name})")
+    if plt is None:
+        return None
     labels = list(dict.fromkeys(r["label"] for r in results))
     ncs = sorted({r["n_c"] for r in results})
     cell = {(r["n_c"], r["label"]): r for r in results}

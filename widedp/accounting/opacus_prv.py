@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from widedp.accounting.base import Accountant
 from widedp.accounting.parts import Costs
+from widedp.extras import needs
 
 
 class OpacusPRVAccountant(Accountant):
@@ -23,7 +24,8 @@ class OpacusPRVAccountant(Accountant):
         return None
 
     def epsilon(self, runs: Sequence[tuple[Costs, int]], delta: float) -> float:
-        from opacus.accountants import PRVAccountant
+        with needs("opacus", "dp.accountant: opacus_prv"):
+            from opacus.accountants import PRVAccountant
 
         history = [(c.sigma, c.q, n) for c, n in runs if n > 0 and c.sigma is not None]
         if not history:

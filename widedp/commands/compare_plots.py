@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from widedp.extras import pyplot
+
 
 def privacy_label(summaries: list[dict[str, Any]], *, with_unit: bool = True) -> str:
     """``ε=2.51, δ=1e-05 per (target, context) pair`` (mean ε over seeds), or why the run is not private."""
@@ -46,11 +48,9 @@ def plot_curves(sweep: Any, runs: dict[str, tuple[list[list[dict[str, Any]]], li
                 path: Path) -> None:
     """Write ``path`` for ``sweep`` (a ``widedp.commands.compare.Sweep``); ``runs``: each run's name -> (its seeds'
     per-epoch histories, their summaries)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot(f"the sweep's curves ({path.name})")
+    if plt is None:
+        return
     def runs_of(name: str) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
         return runs[name]
 

@@ -14,6 +14,7 @@ from widedp.accounting.statement import for_config, for_run
 from widedp.config import Config
 from widedp.dp import units
 from widedp.errors import ConfigError
+from widedp.extras import needs
 from widedp.run import plan as plans
 from widedp.tasks import AlgorithmTask, get_task
 
@@ -59,7 +60,8 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
 def _opacus(rep: dict[str, Any], dp: Any, q: float, steps: int) -> str:
     """``rep``'s epsilon by Opacus' accountant (PRV for ``dp.accountant: pld`` where it works, else RDP), as the
     Opacus engine's summary reports it; widedp's figure stays as ``epsilon_widedp``. Returns the accountant's name."""
-    from widedp.run.trainers.opacus_baseline import opacus_epsilons
+    with needs("opacus", "dp.engine: opacus"):
+        from widedp.run.trainers.opacus_baseline import opacus_epsilons
 
     e = opacus_epsilons([(dp.noise_multiplier, q, steps)] if steps else [], dp.delta)
     acct = "prv" if dp.accountant == "pld" and e["prv"] is not None else "rdp"

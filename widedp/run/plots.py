@@ -1,4 +1,4 @@
-"""Plots of a run's history (matplotlib, headless)."""
+"""Plots of a run's history (matplotlib, headless; skipped with a note without the eval extra)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from widedp.extras import pyplot
 
 
 def plot_history(history: list[dict[str, Any]], path: Path, *, keys: Sequence[str], x: str = "epoch",
                  ylabel: str = "loss", title: str = "") -> None:
     """One line per ``keys`` entry of ``history`` records against record[``x``], into a PNG."""
-    if not history:
+    plt = pyplot("the loss and accuracy curves (*.png)")
+    if not history or plt is None:
         return
     fig, ax = plt.subplots(figsize=(5, 3.5), dpi=100)
     xs = [h[x] for h in history]

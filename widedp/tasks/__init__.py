@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from widedp.accounting.statement import UnitFacts
 from widedp.errors import ConfigError
+from widedp.extras import needs
 from widedp.tasks.protocol import AlgorithmTask, Built, Shape, Task
 
 __all__ = ["TASKS", "AlgorithmTask", "Built", "Shape", "Task", "UnitFacts", "get_task", "loop_task"]
@@ -27,7 +28,8 @@ def _cbow() -> Task:
 
 
 def _recsys() -> Task:
-    from widedp.tasks.recsys import TASK
+    with needs("recsys", "task: recsys"):
+        from widedp.tasks.recsys import TASK
 
     return TASK
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from widedp.config import Config
+from widedp.extras import needs
 from widedp.run.trainers.base import Drawn, Report, StepOutput, Trainer
 
 __all__ = ["Drawn", "Trainer", "Report", "StepOutput", "make_trainer"]
@@ -38,7 +39,8 @@ def make_trainer(cfg: Config, out: Path, *, device: torch.device, resumed: bool)
 
         return NonPrivateTrainer(cfg, device=device)
     if cfg.dp.engine == "opacus":
-        from widedp.run.trainers.opacus_baseline import OpacusTrainer
+        with needs("opacus", "dp.engine: opacus"):
+            from widedp.run.trainers.opacus_baseline import OpacusTrainer
 
         return OpacusTrainer(cfg, out, device=device, resumed=resumed)
     from widedp.run.trainers.sparse import SparseDPTrainer
