@@ -6,14 +6,17 @@
     (Gaussian partition selection, σ=4, ≤ 32 words per sentence, δ_τ=1e-06 of δ)
 
 A statement is stored as a dict in ``summary.json`` (``"privacy"``), the export's ``privacy.json`` and the CLI's
-output; ``text`` is the one line printed wherever ε is. What ε covers besides the steps comes from the task
-(``UnitFacts.includes``: the DP vocabulary) and from the dp: section (``with_preselect``: the row pre-selection).
+output, with ``widedp_version`` (the widedp that trained the run); ``text`` is the one line printed wherever ε is.
+What ε covers besides the steps comes from the task (``UnitFacts.includes``: the DP vocabulary) and from the dp:
+section (``with_preselect``: the row pre-selection).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from widedp import __version__
 
 #: A Poisson-sampled run with q = b / N uses the number N of training units, which add/remove changes by one
 #: (``dp.sampling_rate`` fixes q in the config instead).
@@ -71,6 +74,7 @@ class PrivacyStatement:
         d["not_covered"] = list(self.not_covered)
         d["includes"] = list(self.includes)
         d["text"] = self.text
+        d["widedp_version"] = __version__
         return d
 
 
