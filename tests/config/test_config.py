@@ -38,6 +38,7 @@ def test_round_trip_and_hash():
     d = cfg.to_dict()
     d["data"] = type(cfg.data).hash_view(d["data"])
     del d["dp"]["sampling_rate"], d["dp"]["noise"]  # (dp.noise: only when not the default gaussian)
+    del d["dp"]["allow_large_delta"]  # (never: a guard's opt-out changes no computation)
     assert cfg.hash() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
     fixed = config_from_dict({**cfg.to_dict(), "dp": {**cfg.to_dict()["dp"], "sampling_rate": 0.01}})
     assert fixed.hash() != cfg.hash()

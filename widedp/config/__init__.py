@@ -126,6 +126,8 @@ class TrainConfig:
         for key in ("checkpoint_every", "max_steps", "threads"):
             nonneg(f"train.{key}", getattr(self, key))
         nonneg("train.eval_max_samples", self.eval_max_samples)
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"train.seed: must be in [0, 2^63), got {self.seed}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
 
@@ -164,6 +166,10 @@ class DPConfig:
         sampling_rate: q of Poisson sampling, fixed in the config (an epoch is then round(1/q) steps); null (the
             default) = b / N, which uses the number N of training units: the data's size, listed as not covered.
             ``train.batch_size`` stays the noise's fixed denominator b (best near q·N).
+        allow_large_delta: accept a ``delta`` above the conventional 1e-5 and at or above 1/N (N: the training
+            units Poisson sampling draws). Such a δ is met by a mechanism that publishes each record in the clear
+            with probability δ (δ·N of them on average; δ = 0.5 reports ε = 0), so a new run refuses it unless this
+            is true; the statement always prints δ. Not part of the config's hash (it changes no computation).
     """
 
     clip1: float = 15.0
@@ -179,6 +185,7 @@ class DPConfig:
     engine: Literal["widedp", "opacus"] = "widedp"
     preselect: PreselectConfig | None = None
     sampling_rate: float | None = None
+    allow_large_delta: bool = False
 
     def __post_init__(self) -> None:
         if self.sampling_rate is not None and not 0 < self.sampling_rate <= 1:
@@ -259,6 +266,8 @@ class Config:
             del pre["table_rows"]
         if d.get("dp") is not None and d["dp"].get("sampling_rate") is None:  # (added later: hashes only when set)
             d["dp"].pop("sampling_rate", None)
+        if d.get("dp") is not None:  # a guard's opt-out, not a computation
+            d["dp"].pop("allow_large_delta", None)
         if d.get("dp") is not None and d["dp"].get("noise") == "gaussian":  # (added later: hashes when not default)
             d["dp"].pop("noise", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]

@@ -21,6 +21,7 @@ from typing import Any
 from widedp import accounting
 from widedp.accounting.pld import PLDRangeError
 from widedp.config import Config, DPConfig
+from widedp.dp import units
 from widedp.dp.selection import make_selector
 from widedp.dp.spend import GaussianSpend, StepSpend
 from widedp.dp.step import dp_step_spend
@@ -35,6 +36,28 @@ def sampling_rate(dp: DPConfig, batch_size: int, n: int) -> float:
 def steps_per_epoch(batch_size: int, n: int, *, rate: float | None = None) -> int:
     """Poisson steps per epoch: round(n / b), or round(1 / q) for a fixed sampling rate q."""
     return max(1, round(1 / rate)) if rate is not None else max(1, round(n / batch_size))
+
+
+#: the δ every shipped config uses (the DPConfig default): accepted whatever N (the full-data configs have N of
+#: 200K - 1.5M records, δ·N of 2 - 15); a larger δ must be below 1/N, or allowed explicitly
+CONVENTIONAL_DELTA = 1e-5
+
+
+def check_data(cfg: Config, n: int, *, new: bool = True) -> None:
+    """What a DP plan asks of the N = ``n`` training units (samples, or units when a unit groups samples): at most
+    N expected samples per step when q is b/N, and for a ``new`` run a ``dp.delta`` above ``CONVENTIONAL_DELTA``
+    below 1/N unless ``dp.allow_large_delta`` (a resumed run keeps what it started with). One line naming the key
+    otherwise."""
+    assert cfg.dp is not None
+    dp, b = cfg.dp, cfg.train.batch_size
+    what = f"{n:,} training {units.privacy_unit(cfg)}{'s' if n != 1 else ''}"
+    if dp.sampling_rate is None and b > n:
+        raise ConfigError(f"train.batch_size: {b:,} is above the {what} (N); Poisson sampling's rate b/N must be at "
+                          "most 1: lower it (or fix dp.sampling_rate)")
+    if new and dp.delta * n >= 1 and dp.delta > CONVENTIONAL_DELTA and not dp.allow_large_delta:
+        raise ConfigError(f"dp.delta: {dp.delta:g} is not below 1/N = {1 / n:.3g} (N = {what}): publishing each "
+                          f"record in the clear with probability δ meets it (about {dp.delta * n:,.0f} records); "
+                          "lower it, or set dp.allow_large_delta: true")
 
 
 def total_steps(cfg: Config, n: int) -> int:
@@ -183,11 +206,12 @@ class DPPlan:
     cap: int | None
 
 
-def plan(cfg: Config, prefix: Prefix, *, num_rows: int, n: int) -> DPPlan:
+def plan(cfg: Config, prefix: Prefix, *, num_rows: int, n: int, new: bool = True) -> DPPlan:
     """The plan of ``cfg`` over ``n`` training samples (or units) and ``num_rows`` selectable rows, after
     ``prefix``: the same for a run (``widedp.run.trainers``) and for ``widedp epsilon``
-    (``widedp.commands.epsilon``)."""
+    (``widedp.commands.epsilon``). ``new``: not a resumed run (``check_data``)."""
     assert cfg.dp is not None
+    check_data(cfg, n, new=new)
     b = cfg.train.batch_size
     dp = calibrated(cfg.dp, steps=total_steps(cfg, n), batch_size=b, num_rows=num_rows, n=n, prefix=prefix)
     spend = step_spend(dp, num_rows=num_rows, batch_size=b, n=n)

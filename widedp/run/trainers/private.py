@@ -50,7 +50,7 @@ class PrivateTrainer:
         (``self.prefix``, each recorded once), sigma (or the selection's epsilon) calibrated for the whole run with
         the prefix, what each step spends, the budget cap; the noise generator."""
         self.ledger = self._prefix_ledger()
-        self.plan = plan.plan(self.cfg, self.prefix, num_rows=num_rows, n=n)
+        self.plan = plan.plan(self.cfg, self.prefix, num_rows=num_rows, n=n, new=not self.resumed)
         self.dp, self.spend, self.cap = self.plan.dp, self.plan.spend, self.plan.cap
         b = self.cfg.train.batch_size
         self.n_draw, self.sampling_rate = n, plan.sampling_rate(self.dp, b, n)
