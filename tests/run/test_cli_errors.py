@@ -60,6 +60,12 @@ def _good(tmp, base, *sets):
             *[x for s in sets for x in ("--set", s)]]
 
 
+def _one_sentence(tmp):
+    (tmp / "one.txt").write_text("the cat sat on the mat with a hat\n")
+    good = GOOD.format(corpus=tmp / "one.txt", cache=tmp / "cache")
+    return _config(tmp, good.replace("vocab_size: 11", "vocab_size: 5").replace("splits: [1000, 100, 100], ", ""))
+
+
 def _run_copy(tmp, base, name="done", corrupt=None):
     d = tmp / "run"
     shutil.copytree(base / name, d)
@@ -185,6 +191,18 @@ CASES = {
     "out holds a run": (lambda t, b: [*_good(t, b)[:3], str(_run_copy(t, b)), "--no-progress"],
                         "already holds a run"),
     "device cuda without CUDA": (lambda t, b: _good(t, b, "train.device=cuda"), "CUDA is not available"),
+    # ------------------------------------------------------------------------------------------------ out of range
+    "batch above the training set": (lambda t, b: _good(t, b, "train.batch_size=10000000"),
+                                     "train.batch_size: 10,000,000 is above the"),
+    "one-sentence corpus": (lambda t, b: _one_sentence(t), "train.batch_size: 10 is above the 2 training pairs"),
+    "target epsilon beyond the accountant": (
+        lambda t, b: _good(t, b, "dp.target_epsilon=1000", "dp.calibrate=noise_multiplier"),
+        "dp.target_epsilon: 1000 is beyond what the pld accountant resolves"),
+    "model larger than memory": (lambda t, b: _good(t, b, "model.dim=10000000000"), "model.dim: 10,000,000,000 over"),
+    "seed 2^70": (lambda t, b: _good(t, b, f"train.seed={2**70}"), "train.seed: must be in [0, 2^63)"),
+    "seed negative": (lambda t, b: _good(t, b, "train.seed=-1"), "train.seed: must be in [0, 2^63)"),
+    "delta 0.5": (lambda t, b: _good(t, b, "dp.delta=0.5"), "dp.delta: 0.5 is not below 1/N"),
+    "delta 0.999": (lambda t, b: _good(t, b, "dp.delta=0.999"), "dp.delta: 0.999 is not below 1/N"),
     "no config": (lambda t, b: ["train", "--out", str(t / "new")], "CONFIG file"),
     "unknown command": (lambda t, b: ["trian", "x.yaml"], "invalid choice"),
     "epsilon bad config": (lambda t, b: ["epsilon", str(_config(t, "train: {epochs: 0}\n")[1])], "train.epochs"),

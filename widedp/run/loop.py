@@ -33,6 +33,7 @@ from tqdm import tqdm
 from widedp.config import Config
 from widedp.distributed import ranks
 from widedp.errors import ConfigError
+from widedp.resources import set_threads
 from widedp.run import summary as run_summary
 from widedp.run.checkpoint import load_checkpoint, save_checkpoint, write_json, write_text
 from widedp.run.plots import plot_losses
@@ -41,11 +42,12 @@ from widedp.tasks.protocol import Built, Task
 
 
 @torch.inference_mode()
-def evaluate(model: Any, split: Any, *, batch_size: int, max_samples: int = 0) -> float:
-    """Mean per-sample loss over a split (or its first ``max_samples`` samples)."""
+def evaluate(model: Any, split: Any, *, batch_size: int, max_samples: int = 0) -> float | None:
+    """Mean per-sample loss over a split (or its first ``max_samples`` samples); None for an empty split (JSON
+    null in metrics.jsonl and summary.json: no loss, never a bare NaN)."""
     n = len(split) if not max_samples else min(max_samples, len(split))
     if n == 0:
-        return float("nan")
+        return None
     total = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
     for start in range(0, n, batch_size):
         idx = torch.arange(start, min(n, start + batch_size), device=total.device)
@@ -63,6 +65,16 @@ def epoch_record(trainer: Trainer, splits: dict[str, Any], tc: Any, epoch: int, 
     model.train()
     rec.update(trainer.epsilons())
     return rec
+
+
+def warn_empty_splits(splits: dict[str, Any]) -> None:
+    """One line on stderr when the valid or test split is empty (``data.splits`` gives it no share): its losses
+    are null, and train.keep_best has nothing to choose by."""
+    empty = [k for k in ("valid", "test") if len(splits[k]) == 0]
+    if empty:
+        print(f"widedp: warning: data.splits: the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} "
+              f"empty: {' and '.join(f'{k}_loss' for k in empty)} will be null (no held-out evaluation)",
+              file=sys.stderr)
 
 
 def drop_metrics_after(path: Path, step: int) -> None:
@@ -115,8 +127,7 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool | st
     ``data``: prepared data for the task's build (canaries, a sweep's shared corpus). ``progress``: True (a bar),
     ``"lines"`` (a line per log interval on stderr) or False."""
     t_setup = time.perf_counter()
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    set_threads(cfg.train.threads)
     device = ranks.resolve_device(cfg.train.device)
     task.check(cfg, private=cfg.dp is not None)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,6 +137,7 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool | st
     trainer.setup(built, task)
     if trainer.is_writer:
         task.warn(cfg)  # (after the setup, so that a config error stays one line)
+        warn_empty_splits(built.splits)
     state = RunState()
     if ckpt is not None:
         trainer.module.load_state_dict(ckpt["model"])
@@ -202,7 +214,8 @@ class _Loop:
         s.history.append(epoch_record(self.trainer, self.splits, tc, epoch, s.step))
         self.log({"kind": "epoch", **s.history[-1]})
         rec = s.history[-1]
-        if tc.keep_best and rec["epoch"] > 0 and rec["valid_loss"] < s.best.get("valid_loss", float("inf")):
+        if (tc.keep_best and rec["epoch"] > 0 and rec["valid_loss"] is not None
+                and rec["valid_loss"] < s.best.get("valid_loss", float("inf"))):
             s.best.update(epoch=rec["epoch"], valid_loss=rec["valid_loss"],
                           model={k: v.detach().clone() for k, v in self.trainer.module.state_dict().items()})
 

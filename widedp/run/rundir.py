@@ -1,9 +1,11 @@
 """A run directory is created once, then only resumed (``--resume``) or replaced on request (``--overwrite``), and
 written by one process at a time (an advisory lock on ``RUN/.lock``).
 
-A NEW run (not a resume) that stops on a ``ConfigError`` before it spent anything (no checkpoint, summary or
-spent-budget journal yet: e.g. its data or its device turned out unusable) leaves nothing behind: the directory is
-removed if this run created it, else the entries it added are. A resumed run's directory is never touched.
+A NEW run (not a resume) that stops on an error before it spent anything (no checkpoint, summary or spent-budget
+journal yet: e.g. its data or its device turned out unusable, or a bug raised) leaves nothing behind, so the fixed
+rerun needs no --overwrite: the directory is removed if this run created it, else the entries it added are. The
+machine's errors (``OSError``: a full or read-only disk) and an interrupt keep what was written; a resumed run's
+directory is never touched.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def holds_run(out: Path) -> bool:
 @contextmanager
 def locked(out: Path) -> Iterator[None]:
     """Create ``out`` and hold its lock for the block; a second writer gets a ConfigError at once. A new run
-    (``prepare``) failing with a ConfigError before it spent anything is removed (module docstring)."""
+    (``prepare``) failing before it spent anything is removed (module docstring)."""
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -50,9 +52,9 @@ def locked(out: Path) -> Iterator[None]:
             raise ConfigError(f"{out}: the run directory is not writable")
         try:
             yield
-        except ConfigError:
+        except Exception as e:
             before = _NEW.get(out.resolve())
-            if before is not None and not any((out / f).exists() for f in _SPENT):
+            if before is not None and not isinstance(e, OSError) and not any((out / f).exists() for f in _SPENT):
                 _discard(out, None if created else before)
             raise
     finally:

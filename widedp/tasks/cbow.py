@@ -24,6 +24,7 @@ from widedp.dp import rng, units
 from widedp.dp import vocab as vocab_dp
 from widedp.errors import ConfigError
 from widedp.models.cbow import CBOW, CBOWBatch
+from widedp.resources import check_tables_fit
 from widedp.tasks.base import LoopTask
 from widedp.tasks.protocol import Built, Shape
 
@@ -132,6 +133,9 @@ def build_cbow(cfg: Config, out: Path, *, device: torch.device, data: CBOWData |
     data = data if data is not None else prepare_cbow(cfg.data)
     splits = {k: SplitTensors.of(getattr(data, k), device) for k in ("train", "valid", "test")}
     (out / "vocab.json").write_text(json.dumps(data.vocab))
+    tables = 1 if cfg.model.tied else 2
+    check_tables_fit(tables * len(data.vocab), cfg.model.dim, device=device,
+                     what=f"{tables} x {len(data.vocab):,} rows")
     init_gen = torch.Generator().manual_seed(cfg.train.seed)
     model = CBOW(len(data.vocab), cfg.model.dim, tied=cfg.model.tied, sparse=cfg.model.sparse,
                  init_scale=cfg.model.init_scale, generator=init_gen).to(device)

@@ -42,6 +42,7 @@ from widedp.convex import common
 from widedp.dp import rng
 from widedp.errors import ConfigError
 from widedp.models import glm
+from widedp.resources import set_threads
 from widedp.run.checkpoint import read_json, save_checkpoint, write_json
 from widedp.run.plots import plot_history, plot_losses
 from widedp.run.summary import DIAGNOSTICS_NOTICE
@@ -163,8 +164,7 @@ def train_glm(cfg: Config, out: Path, *, resume: bool = False, progress: bool = 
         return read_json(out / "summary.json")
     gen, private_rng = _generator(cfg, out, resume=resume)
     t_setup = time.perf_counter()
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    set_threads(cfg.train.threads)
     if cfg.train.device not in ("auto", "cpu"):
         raise ConfigError(f"train.device: task glm runs on the CPU, got {cfg.train.device!r}")
     data = prepare_glm(cfg.data)

@@ -35,6 +35,7 @@ from widedp.data_prep.splits import counted
 from widedp.dp import units
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysModel
+from widedp.resources import check_tables_fit
 from widedp.run.checkpoint import write_json
 from widedp.tasks.base import LoopTask
 from widedp.tasks.protocol import Built
@@ -58,6 +59,8 @@ def build_model(cardinality: dict[str, int], cfg: RecsysModelConfig, *, seed: in
                 device: torch.device | str = "cpu") -> RecsysModel:
     """The model for tables of ``cardinality``; initialised on the CPU from ``seed`` (same weights on any
     device), then moved to ``device``."""
+    check_tables_fit(sum(cardinality.values()), cfg.dim, device=device,
+                     what=f"{len(cardinality)} tables of {sum(cardinality.values()):,} rows")
     gen = torch.Generator().manual_seed(seed)
     model = RecsysModel(cardinality, dim=cfg.dim, hidden=cfg.hidden, pooling=cfg.pooling,
                         interaction=cfg.interaction, sparse=cfg.sparse, init_scale=cfg.init_scale, generator=gen)
