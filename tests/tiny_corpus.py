@@ -18,3 +18,13 @@ def data_section(tmp_path: Path, *, lines: int = 300, words: int = 11, splits: s
     corpus.write_text(text(lines=lines, words=words))
     return (f'data: {{preset: custom, corpus: "text:{corpus}", vocab_size: {words}, remove_stopwords: false, '
             f'alpha_only: false,\n       splits: {splits}, cache_dir: "{tmp_path / "cache"}"{extra}}}')
+
+
+#: a small DP CBOW config over ``text()`` (format with ``corpus=`` and ``cache=`` paths), for CLI error tests
+GOOD_CONFIG = """data: {{preset: custom, corpus: "text:{corpus}", vocab_size: 11, remove_stopwords: false,
+       alpha_only: false, splits: [1000, 100, 100], cache_dir: "{cache}"}}
+model: {{dim: 8, tied: false}}
+train: {{epochs: 1, batch_size: 10, optimizer: lazy_adam, lr: 0.01, log_every: 25, eval_max_samples: 50}}
+dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0, selection: {{name: uniform, k: 4}}}}
+"""
+

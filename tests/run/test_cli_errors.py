@@ -9,17 +9,12 @@ import stat
 from pathlib import Path
 
 import pytest
+import tiny_corpus
 import torch
 
 from widedp.cli import main
 
-WORDS = "".join(f"w{i % 11} w{(i * 3) % 11} w{(i * 5) % 11} w{(i + 1) % 11} w{(i * 7) % 11}\n" for i in range(300))
-GOOD = """data: {{preset: custom, corpus: "text:{corpus}", vocab_size: 11, remove_stopwords: false, alpha_only: false,
-       splits: [1000, 100, 100], cache_dir: "{cache}"}}
-model: {{dim: 8, tied: false}}
-train: {{epochs: 1, batch_size: 10, optimizer: lazy_adam, lr: 0.01, log_every: 25, eval_max_samples: 50}}
-dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0, selection: {{name: uniform, k: 4}}}}
-"""
+WORDS, GOOD = tiny_corpus.text(), tiny_corpus.GOOD_CONFIG
 
 
 def _files(d: Path) -> dict[str, bytes]:
