@@ -24,7 +24,8 @@ The window definition was chosen by counting pairs on Brown with V=1000 (the iss
 (``min_count`` 5: every word seen at least 5 times, V=13,232 of the 40,097 words left after the filters):
 2,652,900 pairs (1,591,740 train).
 
-Vocabulary (``data.vocabulary``): ``private_top`` (above), ``file:PATH`` (a public list, ``corpus.file_vocab``) or
+Vocabulary (``data.vocabulary``): ``private_top`` (above), ``file:PATH`` (a public list, ``corpus.file_vocab``),
+``wordfreq[:LANG]`` (the wordfreq package's public list, ``wordfreq_vocab``) or
 ``dp`` (the run's release, ``widedp.dp.vocab``: passed in as ``vocab=``, never cached). The train split also keeps
 each sample's sentence, document and corpus-order key for privacy units (``widedp.dp.units``). The splits are
 sample-level whatever the unit, but the keys are the unit's (a pair's own content with ``pair``, its sentence's
@@ -51,6 +52,7 @@ from widedp.data_prep.samples import (
     window_bags,
     window_pairs,
 )
+from widedp.data_prep.wordfreq_vocab import wordfreq_vocab
 from widedp.errors import ConfigError
 
 _FORMAT = 3  # bump when the prepared arrays change for the same parameters
@@ -170,9 +172,12 @@ def prepare_cbow(
 
 
 def corpus_vocab(corp: corpus_mod.Corpus, cfg: DataConfig) -> corpus_mod.Vocab:
-    """The vocabulary of ``data.vocabulary`` private_top (the top-V words) or file:PATH (``dp``: see vocab_dp)."""
+    """The vocabulary of ``data.vocabulary`` private_top (the top-V words), file:PATH or wordfreq[:LANG] (``dp``:
+    see vocab_dp)."""
     if cfg.vocabulary.startswith("file:"):
         return corpus_mod.file_vocab(corp, cfg.vocabulary[5:], cfg.vocab_size, lowercase=cfg.lowercase)
+    if cfg.wordfreq_lang is not None:
+        return wordfreq_vocab(corp, cfg)
     return corpus_mod.select_vocab(corp, cfg.vocab_size, source=cfg.corpus, min_count=cfg.min_count)
 
 

@@ -2,7 +2,9 @@
 the one-line error that names the extra to install when it is missing.
 
     pip install 'widedp[opacus]'   the Opacus DP-SGD baseline (dp.engine: opacus) and its PRV accountant
-    pip install 'widedp[eval]'     figures: loss curves, compare's curves.png, the canary and audit plots (matplotlib)
+    pip install 'widedp[eval]'     figures: loss curves, compare's curves.png, the canary and audit plots (matplotlib);
+                                   word similarity (widedp eval, compare's WS353/SimLex columns: gensim's test sets)
+    pip install 'widedp[vocab]'    data.vocabulary: wordfreq[:LANG] (wordfreq 3.1.1's public word lists)
     pip install 'widedp[data]'     Hugging Face corpora and tables (hf:NAME), ratings CSV files, MovieLens 100K
     pip install 'widedp[recsys]'   task: recsys (torchrec with the CUDA fbgemm-gpu that matches torch 2.13)
     CPU machines, recsys:          pip install 'widedp[recsys-cpu]' && pip install --no-deps torchrec==1.8.0
@@ -26,7 +28,8 @@ from widedp.errors import ConfigError
 #: extra -> the top-level modules it provides (a ModuleNotFoundError naming one of them means: install the extra)
 EXTRAS: dict[str, tuple[str, ...]] = {
     "opacus": ("opacus", "opt_einsum"),
-    "eval": ("matplotlib",),
+    "eval": ("matplotlib", "gensim"),
+    "vocab": ("wordfreq", "ftfy", "langcodes", "msgpack", "regex", "locate"),
     "data": ("datasets", "pandas", "pyarrow"),
     "recsys": ("torchrec", "fbgemm_gpu", "tensordict", "torchmetrics", "pyre_extensions", "typing_inspect"),
 }
@@ -35,6 +38,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 INSTALL: dict[str, str] = {
     "opacus": "pip install 'widedp[opacus]'",
     "eval": "pip install 'widedp[eval]'",
+    "vocab": "pip install 'widedp[vocab]'",
     "data": "pip install 'widedp[data]'",
     "recsys": "pip install 'widedp[recsys]'; on a CPU machine: pip install 'widedp[recsys-cpu]' && "
               "pip install --no-deps torchrec==1.8.0",

@@ -4,6 +4,9 @@ privacy unit and the vocabulary."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.metadata
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -95,8 +98,8 @@ class DataConfig(TokenFilter):
         splits: train / valid / test: fractions of all samples summing to <= 1, or expected counts (rate n / N
             over the N samples: the rate then depends on the data's size, which the privacy statement lists). Each
             sample's split is drawn from a key of its own record (``widedp.data_prep.splits``), so sizes are
-            Binomial, and for a fixed vocabulary (``file:`` or ``dp``) adding or removing a unit changes no other
-            sample's split.
+            Binomial, and for a fixed vocabulary (``file:``, ``wordfreq`` or ``dp``) adding or removing a unit
+            changes no other sample's split.
         seed: seed of the record keys (the splits and the stored negatives); need not be secret.
         lowercase, alpha_only, remove_stopwords: token filters (``TokenFilter``).
         max_sentences: keep only the first N sentences (0 = all) — for smoke tests.
@@ -110,7 +113,10 @@ class DataConfig(TokenFilter):
         vocabulary: ``private_top`` (the top-V words of the corpus: NOT private; a warning, and every statement says
             so) | ``dp`` (DP partition selection, ``vocab_dp``; needs a sentence or document unit) | ``file:PATH``
             (a public list, one word per line, optionally ``word count``; without counts the negatives follow a Zipf
-            law over the file's order, p(rank r) ∝ 1/r, before the usual ^0.75).
+            law over the file's order, p(rank r) ∝ 1/r, before the usual ^0.75) | ``wordfreq`` or ``wordfreq:LANG``
+            (public, default ``en``: the first ``vocab_size`` words of the wordfreq package's ``best`` list for LANG
+            that pass the token filters, with its frequencies for the negatives; wordfreq 3.1.1, data frozen in
+            2021, CC BY-SA 4.0; the ``vocab`` extra; needs ``lowercase``).
         vocab_dp: the DP vocabulary's parameters (``VocabDPConfig``).
     """
 
@@ -140,8 +146,16 @@ class DataConfig(TokenFilter):
             raise ConfigError(f"data.min_count: applies to the top-V vocabulary (data.vocabulary: private_top), not "
                               f"to {self.vocabulary!r}")
         positive("data.max_samples_per_unit", self.max_samples_per_unit)
-        if not (self.vocabulary in ("private_top", "dp") or self.vocabulary.startswith("file:")):
-            raise ConfigError(f"data.vocabulary: expected private_top, dp or file:PATH, got {self.vocabulary!r}")
+        if not (self.vocabulary in ("private_top", "dp", "wordfreq") or self.vocabulary.startswith(("file:",
+                                                                                                "wordfreq:"))):
+            raise ConfigError(f"data.vocabulary: expected private_top, dp, file:PATH, wordfreq or wordfreq:LANG, got "
+                              f"{self.vocabulary!r}")
+        if self.wordfreq_lang is not None:
+            if not re.fullmatch(r"[a-z]{2,3}", self.wordfreq_lang):
+                raise ConfigError(f"data.vocabulary: wordfreq:LANG takes a language code such as en or fr, got "
+                                  f"{self.vocabulary!r}")
+            if not self.lowercase:
+                raise ConfigError("data.vocabulary: wordfreq's lists are lower case; they need data.lowercase: true")
         if self.vocabulary.startswith("file:"):
             check_input_file("data.vocabulary", self.vocabulary[5:])
         if self.vocabulary == "dp" and self.privacy_unit == "pair":
@@ -159,6 +173,13 @@ class DataConfig(TokenFilter):
         if self.corpus.startswith("text:"):
             check_input_file("data.corpus", self.corpus[5:])
 
+    @property
+    def wordfreq_lang(self) -> str | None:
+        """The language of ``data.vocabulary: wordfreq[:LANG]`` (``en`` when left out); None for other vocabularies."""
+        if self.vocabulary == "wordfreq":
+            return "en"
+        return self.vocabulary[9:] if self.vocabulary.startswith("wordfreq:") else None
+
     def cache_key(self) -> str:
         """Hash of every parameter that changes the prepared arrays (not where they are cached, nor the DP
         vocabulary's parameters: a DP vocabulary's arrays are never cached). The privacy unit is in: it keys the
@@ -168,6 +189,8 @@ class DataConfig(TokenFilter):
         key = data_cache_key(plain, self.corpus[5:] if self.corpus.startswith("text:") else None, drop=drop)
         if self.vocabulary.startswith("file:"):
             key = data_cache_key(plain, self.vocabulary[5:], drop=drop) + key
+        if self.wordfreq_lang is not None:  # the list is the installed wordfreq's data
+            key = hashlib.sha256(f"{key} wordfreq {_installed('wordfreq')}".encode()).hexdigest()[:16]
         return key
 
     @staticmethod
@@ -177,3 +200,11 @@ class DataConfig(TokenFilter):
         defaults = {"privacy_unit": "pair", "max_samples_per_unit": 32, "vocabulary": "private_top", "min_count": 1,
                     "vocab_dp": dataclasses.asdict(VocabDPConfig()), "negatives_pool": 0}
         return {k: v for k, v in d.items() if not (k in defaults and v == defaults[k])}
+
+
+def _installed(package: str) -> str:
+    """The installed version of ``package``, or "none"."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"

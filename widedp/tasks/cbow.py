@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 from widedp.accounting.statement import UnitFacts
 from widedp.config import Config
 from widedp.data_prep import corpus as corpus_mod
+from widedp.data_prep import wordfreq_vocab
 from widedp.data_prep.cbow import CBOWData, Split, prepare_cbow
 from widedp.data_prep.samples import alias_table
 from widedp.data_prep.splits import counted
@@ -223,6 +224,10 @@ class CBOWTask(LoopTask):
                         f"{cfg.data.privacy_unit}, threshold δ_τ={v.delta:g} of δ",)
         elif vocabulary.startswith("file:"):
             includes = ("the vocabulary: a public word list (data.vocabulary: file:PATH), nothing private spent on it",)
+        elif cfg.data.wordfreq_lang is not None:
+            includes = (f"the vocabulary: public (data.vocabulary: {vocabulary}), the first {cfg.data.vocab_size} "
+                        f"words passing the token filters of the {wordfreq_vocab.describe(cfg.data.wordfreq_lang)}; "
+                        "nothing private spent on it",)
         return UnitFacts(unit, gaps, includes)
 
     def warn(self, cfg: Config) -> None:
@@ -232,7 +237,7 @@ class CBOWTask(LoopTask):
             WARNED.add("private_top")
             print("widedp: warning: data.vocabulary: private_top — the vocabulary and the negative-sampling "
                   "distribution come from the training corpus WITHOUT privacy (not covered by ε); use "
-                  "data.vocabulary: dp or file:PATH", file=sys.stderr)
+                  "data.vocabulary: dp, wordfreq or file:PATH", file=sys.stderr)
 
     def shared_data(self, cfg: Config) -> CBOWData | None:
         """The prepared corpus, shared by a sweep's runs of the same data (not a DP vocabulary: drawn per run)."""
