@@ -6,6 +6,7 @@
     widedp train CONFIG --out DIR --overwrite                  replace the run in DIR (never done silently)
     widedp epsilon CONFIG [--set ...]                          the privacy a config would spend, as JSON
     widedp export RUN_DIR [--format word2vec|torch] [--out DIR] the release: weights, vocab, privacy statement
+    widedp eval RUN_DIR|RELEASE [--out FILE]                   word similarity (WordSim-353, SimLex-999) -> eval.json
     widedp canary CONFIG [CONFIG ...] --nc 3 9 15 --out DIR    secret-sharer canaries: train, then evaluate
     widedp canary --runs RUN_DIR [RUN_DIR ...] --out DIR       evaluate runs trained with canaries
     widedp compare SWEEP.yaml --out DIR [--set key=value ...]  configs x seeds -> curves.png, results.md/.json
@@ -70,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="word2vec: CBOW input vectors for gensim (default); torch: the model's weights (any task)")
     x.add_argument("--out", help="release folder (default RUN_DIR/release)")
     x.add_argument("--overwrite", action="store_true", help="replace a release already in --out")
+    v = sub.add_parser("eval", help="word-vector quality of a CBOW run or release: Spearman on WordSim-353 and "
+                                    "SimLex-999, nearest neighbours -> eval.json")
+    v.add_argument("path", metavar="RUN|RELEASE", help="a run directory or a folder written by widedp export")
+    v.add_argument("--out", help="report file (default RUN|RELEASE/eval.json)")
+    v.add_argument("--words", nargs="+", metavar="WORD", help="words whose nearest neighbours to list (default: the "
+                   "8 most frequent vocabulary words that occur in the benchmarks)")
+    v.add_argument("--k", type=int, default=5, help="neighbours per word (default 5)")
     c = sub.add_parser("compare", help="run a sweep of configs x seeds; write curves.png, results.md, results.json")
     c.add_argument("sweep", help="sweep YAML ({runs: [{name, config, set, seeds}], panels})")
     c.add_argument("--out", help="output directory (default runs/<sweep name>)")
@@ -237,6 +245,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    """``widedp eval``: word similarity of a run's or a release's vectors; a few lines, then where eval.json went."""
+    from widedp.commands.evaluate import EVAL_FILE, evaluate, format_report
+
+    path = Path(args.path)
+    out = Path(args.out) if args.out else path / EVAL_FILE
+    print(format_report(evaluate(path, out=out, probes=args.words, k=args.k)))
+    print(f"widedp eval: wrote {out}")
+    return 0
+
+
 def _audit(args: argparse.Namespace) -> int:
     """``widedp audit``: the one-run privacy audit; its figures as JSON, its line on stderr."""
     from widedp.config import load_config
@@ -360,6 +379,7 @@ def _canary(args: argparse.Namespace) -> int:
 #: the subcommands: name -> the function that runs it (its exit status)
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "epsilon": _epsilon, "export": _export, "canary": _canary, "audit": _audit, "compare": _compare,
+    "eval": _eval,
 }
 
 

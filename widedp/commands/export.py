@@ -9,10 +9,10 @@ A run directory is private working state (secret seeds in ``private/``, non-priv
     DIR/ids.json        (recsys)    the raw id of every row of every released table (``widedp.tasks.recsys``)
     DIR/privacy.json                the privacy statement: ε, δ, unit, adjacency, accountant, what is not covered
 
-and nothing else. A recommender trained with ``data.privacy_unit: user`` whose user rows are the data's raw user ids
-releases no user table and no user id (``widedp.tasks.recsys.release_parts``: ids.json names it under
-``withheld``); its item ids are still listed, as its statement says. Every export of a run that is not private says
-so, in privacy.json and on stderr.
+and nothing else (``widedp eval`` may add its eval.json, computed from the release alone). A recommender trained
+with ``data.privacy_unit: user`` whose user rows are the data's raw user ids releases no user table and no user id
+(``widedp.tasks.recsys.release_parts``: ids.json names it under ``withheld``); its item ids are still listed, as its
+statement says. Every export of a run that is not private says so, in privacy.json and on stderr.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _check_out(run_dir: Path, out: Path, fmt: str, *, overwrite: bool) -> None:
     if not out.exists():
         return
     names = set(p.name for p in out.iterdir()) if out.is_dir() else {""}
-    if names - set(RELEASE_FILES[fmt]):
+    if names - set(RELEASE_FILES[fmt]) - {"eval.json"}:  # (widedp eval's report on the release: replaced with it)
         raise ConfigError(f"--out {out}: exists and holds other files; the release folder holds the release only")
     if names and not overwrite:
         raise ConfigError(f"--out {out}: already holds a release ({', '.join(sorted(names))}), perhaps another "
