@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from widedp.commands.compare_plots import PAPER_KEY, plot_curves, results_markdown
+from widedp.commands.evaluate import run_similarity
 from widedp.config import Config, config_from_dict
 from widedp.config.tools import apply_overrides, read_config_file, read_yaml_file, show
 from widedp.errors import ConfigError
@@ -44,7 +46,6 @@ from widedp.run.checkpoint import CHECKPOINT, load_checkpoint, read_json, write_
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
 _RUN_KEYS = {"name", "config", "set", "seeds"}
 _TOP_KEYS = {"runs", "set", "panels"}
-PAPER_KEY = "paper_theorem3_reference_NOT_A_BOUND"  # = widedp.accounting.REFERENCE_KEY (not imported: heavy)
 
 
 @dataclass(frozen=True)
@@ -304,6 +305,7 @@ def summarize(sweep: Sweep, out: Path) -> list[dict[str, Any]]:
         row["epsilon_rdp"] = _stats([d.get("epsilon_rdp") for d in dps]) if row["private"] else None
         row[PAPER_KEY] = _stats([_paper_reference(d) for d in dps]) if row["private"] else None
         row["epsilon_lower"] = _stats([_audit_lower(run_dir(out, name, s)) for s in run.seeds])
+        row |= _similarity([run_dir(out, name, s) for s in run.seeds])
         priv = [s.get("privacy") if isinstance(s.get("privacy"), dict) else {} for s in sums]
         row["delta"] = dps[0].get("delta") if row["private"] else None
         row["unit"] = priv[0].get("unit")
@@ -311,6 +313,15 @@ def summarize(sweep: Sweep, out: Path) -> list[dict[str, Any]]:
         row["run_dirs"] = [str(run_dir(out, name, s)) for s in run.seeds]
         rows.append(row)
     return rows
+
+
+def _similarity(dirs: list[Path]) -> dict[str, Any]:
+    """A CBOW run's word-similarity columns (``widedp eval``'s Spearman ρ and share of pairs in the vocabulary per
+    benchmark, over seeds); nothing for other tasks."""
+    per_seed = [run_similarity(d) for d in dirs]
+    if all(x is None for x in per_seed):
+        return {}
+    return {k: _stats([(x or {}).get(k) for x in per_seed]) for k in next(x for x in per_seed if x is not None)}
 
 
 def _audit_lower(d: Path) -> float | None:
@@ -330,43 +341,6 @@ def _paper_reference(dp: dict[str, Any]) -> float | None:
         return accounting.paper_theorem3_reference(ledger.runs, dp["delta"])["epsilon"] if ledger.steps else None
     except ConfigError:  # e.g. several sampling rates: Theorem 3 is stated for identical steps
         return None
-
-
-def _fmt(st: dict[str, float | None] | None, digits: int = 4, pm: bool = True) -> str:
-    if st is None or st["mean"] is None:
-        return "–"
-    m = f"{st['mean']:.{digits}f}"
-    return f"{m} ± {st['std']:.{digits}f}" if pm and st["std"] else m
-
-
-def results_markdown(rows: list[dict[str, Any]], title: str) -> str:
-    rec = any((r.get("test_auc") or {}).get("mean") is not None for r in rows)  # recommenders: AUC, NE
-    lines = [f"# {title}", "", "Final losses: mean ± std over seeds. ε: the run's accountant (summary dp.epsilon); "
-             "ε RDP: the RDP accountant. ε lower (audit): `widedp audit`'s empirical one-run lower bound, where a "
-             "run directory holds an audit.json. σ: the (calibrated) noise multiplier. Paper Thm 3: the paper's "
-             "Theorem 3 "
-             "for the same steps, shown only to compare with the paper's reported ε: it is NOT a valid DP bound "
-             "(it can under-report)." + (" NE: normalised entropy (BCE / entropy of the test positive rate)."
-                                         if rec else ""), "",
-             "| run | seeds | train loss | valid loss | test loss | test acc. | " + ("test AUC | test NE | " if rec
-                                                                                 else "")
-             + "ε | ε RDP | paper Thm 3 (NOT a bound) | ε lower (audit) | σ | steps | wall s | samples/s |",
-             "|---|---|---|---|---|---|" + ("---|---|" if rec else "") + "---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        acc = f" ({r['accountant']})" if r["private"] and r["accountant"] else ""
-        lines.append(
-            f"| {r['name']} | {len(r['seeds'])} | {_fmt(r['train_loss'])} | {_fmt(r['valid_loss'])} | "
-            f"{_fmt(r['test_loss'])} | {_fmt(r['test_accuracy'], 3)} | "
-            + (f"{_fmt(r.get('test_auc'), 4)} | {_fmt(r.get('test_ne'), 4)} | " if rec else "")
-            + f"{_fmt(r['epsilon'], 3)}{acc if r['epsilon'] else ''} | "
-            f"{_fmt(r['epsilon_rdp'], 3)} | {_fmt(r.get(PAPER_KEY), 3)} | {_fmt(r.get('epsilon_lower'), 3)} | "
-            f"{_fmt(r['noise_multiplier'], 4, pm=False) if r['private'] else '–'} | "
-            f"{_fmt(r['steps'], 0, pm=False)} | {_fmt(r['wall_s'], 1, pm=False)} | "
-            f"{_fmt(r['samples_per_s'], 0, pm=False)} |")
-    lines += ["", "Privacy statements (each run's first seed: its ε with δ, the unit, the accountant and what it does "
-              "not cover):", ""]
-    lines += [f"- {r['name']}: {r.get('privacy') or ('not private' if not r['private'] else '–')}" for r in rows]
-    return "\n".join(lines) + "\n"
 
 
 def finished_part(sweep: Sweep, out: Path) -> Sweep:
@@ -389,8 +363,6 @@ def compare(path: str | Path, out: Path, *, overrides: list[str] | tuple[str, ..
     """Run the sweep (reusing finished runs of the same config) and write curves.png, results.md, results.json.
     ``keep_going``: a run's config error is reported and the sweep goes on; the outputs cover the runs that
     finished, and a ``ConfigError`` naming the failed ones is raised at the end."""
-    from widedp.commands.compare_plots import plot_curves
-
     sweep = load_sweep(path, overrides)
     out.mkdir(parents=True, exist_ok=True)
     actions = run_sweep(sweep, out, progress=progress, overwrite=overwrite, keep_going=keep_going)

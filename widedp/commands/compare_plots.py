@@ -1,8 +1,10 @@
-"""``widedp compare``'s ``curves.png``: loss per epoch of every run of a sweep, with ε, δ and the privacy unit.
+"""``widedp compare``'s outputs: ``curves.png`` (loss per epoch of every run of a sweep, with ε, δ and the privacy
+unit) and the ``results.md`` table.
 
 Without named panels, one panel per run (train and test loss, mean over seeds with a min/max band, like the paper's
 Fig. 1). With ``panels: {title: [run, ...]}`` one panel per title overlays its runs (test loss solid, train loss
-dashed), e.g. every method at the same target ε.
+dashed), e.g. every method at the same target ε. The table puts a CBOW run's word similarity (``widedp eval``'s
+Spearman ρ on WordSim-353 and SimLex-999) beside its losses.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from widedp.extras import pyplot
+
+PAPER_KEY = "paper_theorem3_reference_NOT_A_BOUND"  # = widedp.accounting.REFERENCE_KEY (not imported: heavy)
+#: results.md's word-similarity columns: row key -> header
+SIMILARITY = {"wordsim353": "WS353 ρ", "simlex999": "SimLex ρ"}
 
 
 def privacy_label(summaries: list[dict[str, Any]], *, with_unit: bool = True) -> str:
@@ -96,3 +102,54 @@ def plot_curves(sweep: Any, runs: dict[str, tuple[list[list[dict[str, Any]]], li
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _fmt(st: dict[str, float | None] | None, digits: int = 4, pm: bool = True) -> str:
+    if st is None or st["mean"] is None:
+        return "–"
+    m = f"{st['mean']:.{digits}f}"
+    return f"{m} ± {st['std']:.{digits}f}" if pm and st["std"] else m
+
+
+def _similarity_cell(r: dict[str, Any], key: str) -> str:
+    """``0.213 ± 0.010 (11% of pairs)``: ρ over seeds and the share of the benchmark's pairs in the vocabulary."""
+    share = (r.get(f"{key}_in_vocab") or {}).get("mean")
+    return _fmt(r.get(key), 3) + (f" ({share:.0%} of pairs)" if share is not None else "")
+
+
+def _legend(rec: bool, words: bool) -> str:
+    return ("Final losses: mean ± std over seeds. "
+            + ("WS353 ρ / SimLex ρ: Spearman's ρ of the CBOW input vectors' cosines with WordSim-353 / SimLex-999 "
+               "over the pairs with both words in the vocabulary (that share in brackets; `widedp eval`). "
+               if words else "")
+            + "ε: the run's accountant (summary dp.epsilon); ε RDP: the RDP accountant. ε lower (audit): `widedp "
+            "audit`'s empirical one-run lower bound, where a run directory holds an audit.json. σ: the (calibrated) "
+            "noise multiplier. Paper Thm 3: the paper's Theorem 3 for the same steps, shown only to compare with the "
+            "paper's reported ε: it is NOT a valid DP bound (it can under-report)."
+            + (" NE: normalised entropy (BCE / entropy of the test positive rate)." if rec else ""))
+
+
+def results_markdown(rows: list[dict[str, Any]], title: str) -> str:
+    """``results.md``: one line per run (``widedp.commands.compare.summarize``'s rows), then their statements."""
+    rec = any((r.get("test_auc") or {}).get("mean") is not None for r in rows)  # recommenders: AUC, NE
+    words = [k for k in SIMILARITY if any(k in r for r in rows)]  # CBOW runs: word similarity
+    extra = (["test AUC", "test NE"] if rec else []) + [SIMILARITY[k] for k in words]
+    head = ["run", "seeds", "train loss", "valid loss", "test loss", "test acc.", *extra, "ε", "ε RDP",
+            "paper Thm 3 (NOT a bound)", "ε lower (audit)", "σ", "steps", "wall s", "samples/s"]
+    lines = [f"# {title}", "", _legend(rec, bool(words)), "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for r in rows:
+        acc = f" ({r['accountant']})" if r["private"] and r["accountant"] else ""
+        cells = [r["name"], str(len(r["seeds"])), _fmt(r["train_loss"]), _fmt(r["valid_loss"]), _fmt(r["test_loss"]),
+                 _fmt(r["test_accuracy"], 3)]
+        cells += [_fmt(r.get("test_auc"), 4), _fmt(r.get("test_ne"), 4)] if rec else []
+        cells += [_similarity_cell(r, k) for k in words]
+        cells += [f"{_fmt(r['epsilon'], 3)}{acc if r['epsilon'] else ''}", _fmt(r["epsilon_rdp"], 3),
+                  _fmt(r.get(PAPER_KEY), 3), _fmt(r.get("epsilon_lower"), 3),
+                  _fmt(r["noise_multiplier"], 4, pm=False) if r["private"] else "–", _fmt(r["steps"], 0, pm=False),
+                  _fmt(r["wall_s"], 1, pm=False), _fmt(r["samples_per_s"], 0, pm=False)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Privacy statements (each run's first seed: its ε with δ, the unit, the accountant and what it does "
+              "not cover):", ""]
+    lines += [f"- {r['name']}: {r.get('privacy') or ('not private' if not r['private'] else '–')}" for r in rows]
+    return "\n".join(lines) + "\n"

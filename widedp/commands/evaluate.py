@@ -137,7 +137,9 @@ def evaluate(path: Path, *, out: Path | None = None, probes: list[str] | None = 
         raise ConfigError(f"--words: {missing[0]!r} is not in the vocabulary (V={len(wv.words)})")
     report = {"source": str(path), "kind": wv.kind, "vectors": VECTORS, "vocab_size": len(wv.words),
               "dim": int(wv.vectors.shape[1]), "word_similarity": scores,
-              "neighbours": sim.neighbours(wv.words, wv.vectors, chosen, k=k), "method": METHOD, "note": NOTE,
+              "neighbours": [{"word": w, "nearest": near}  # a list: eval.json's keys are sorted
+                             for w, near in sim.neighbours(wv.words, wv.vectors, chosen, k=k).items()],
+              "method": METHOD, "note": NOTE,
               "privacy": (wv.privacy or {}).get("text"), "widedp_version": widedp.__version__}
     target = out if out is not None else path / EVAL_FILE
     if target.is_dir():
@@ -154,8 +156,8 @@ def format_report(report: dict[str, Any]) -> str:
         share = "" if s["share_in_vocab"] is None else f", {100 * s['share_in_vocab']:.1f}%"
         lines.append(f"{s['name']:<12s} Spearman rho {rho:>6s}  ({s['in_vocab']} of {s['pairs']} pairs in the "
                      f"vocabulary{share})")
-    for w, near in report["neighbours"].items():
-        lines.append(f"  {w}: " + ", ".join(f"{n} {c:.2f}" for n, c in near))
+    for entry in report["neighbours"]:
+        lines.append(f"  {entry['word']}: " + ", ".join(f"{n} {c:.2f}" for n, c in entry["nearest"]))
     return "\n".join(lines)
 
 
