@@ -103,8 +103,11 @@ class Capture:
         records: the calls recorded since the last ``clear()``.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, sharded: tuple[nn.Module, ...] = ()) -> None:
         self.model = model
+        # modules whose tables another capture records (torchrec's sharded collections, ``widedp.api.sharded``):
+        # their sub-modules are neither tables nor dense layers here
+        self._inside_sharded = {id(c) for m in sharded for c in m.modules()}
         self.records: list[Record] = []
         self.enabled = True
         self.independence_checked = False  # ``widedp.api.per_sample.check_independent`` has passed once
@@ -129,7 +132,7 @@ class Capture:
                 self._handles.append(m.register_forward_pre_hook(self._batchnorm_pre))
         self._buffer_snap: dict[int, list[tuple[nn.Module, str, Tensor, int]]] = {}
         for m in model.modules():  # a buffer that learns from the batch: running statistics, counters, caches
-            if next(m.buffers(recurse=m is model), None) is not None:
+            if id(m) not in self._inside_sharded and next(m.buffers(recurse=m is model), None) is not None:
                 self._handles.append(m.register_forward_pre_hook(self._buffers_pre))
                 self._handles.append(m.register_forward_hook(self._buffers_post))
         self._names = {id(m): n for n, m in model.named_modules()}
@@ -142,7 +145,8 @@ class Capture:
         table_of: dict[int, Table] = {}
         offset = 0
         for name, m in self.model.named_modules():
-            if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)) or not m.weight.requires_grad:
+            if (not isinstance(m, (nn.Embedding, nn.EmbeddingBag)) or not m.weight.requires_grad
+                    or id(m) in self._inside_sharded):
                 continue
             _check_table_module(name, m)
             t = by_weight.get(id(m.weight))
@@ -154,7 +158,7 @@ class Capture:
                 raise UnsupportedModelError(f"{name}: shares {t.name}'s weight with another padding_idx "
                                             f"({m.padding_idx} vs {t.padding_idx})")
             table_of[id(m)] = t
-        if not tables:
+        if not tables and not self._inside_sharded:
             raise UnsupportedModelError("no trainable nn.Embedding / nn.EmbeddingBag / torchrec table in the model: "
                                         "widedp trains wide models; use Opacus for dense-only models")
         return tables, table_of
@@ -164,7 +168,7 @@ class Capture:
         owners: dict[int, str] = {}
         modules: list[nn.Module] = []
         for name, m in self.model.named_modules():
-            if id(m) in self._table_of:
+            if id(m) in self._table_of or id(m) in self._inside_sharded:
                 continue
             own = [p for p in m.parameters(recurse=False) if p.requires_grad]
             if not own:
@@ -187,7 +191,10 @@ class Capture:
                                                 "(tied weights); only lookups may read a table")
                 owners[id(p)] = label
             modules.append(m)
-        dense = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in table_ids]
+        sharded = {id(p) for m in self.model.modules() if id(m) in self._inside_sharded
+                   for p in m.parameters(recurse=False)}
+        dense = [(n, p) for n, p in self.model.named_parameters()
+                 if p.requires_grad and id(p) not in table_ids and id(p) not in sharded]
         missing = [n for n, p in dense if id(p) not in owners]
         if missing:
             raise UnsupportedModelError(f"parameters {missing} are used outside a module the engine can hook; "
@@ -218,7 +225,7 @@ class Capture:
 
     def _buffers_pre(self, m: nn.Module, args: tuple[Any, ...]) -> None:
         if self.enabled and m.training:
-            owners = m.modules() if m is self.model else (m,)
+            owners = [o for o in m.modules() if id(o) not in self._inside_sharded] if m is self.model else (m,)
             self._buffer_snap[id(m)] = [(o, n, b, b._version) for o in owners for n, b in o._buffers.items()
                                         if b is not None]
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -45,19 +44,20 @@ from widedp import accounting
 from widedp.accounting.statement import SIZE_NOT_COVERED, PrivacyStatement
 from widedp.api.capture import Capture
 from widedp.api.coupling import UNCHECKED, FirstStepChecks, random_state
+from widedp.api.engine_state import EngineState
 from widedp.api.loader import PoissonLoader
 from widedp.api.per_sample import Layout, batch_size_of, collect, empty_rows, losses_and_rows
+from widedp.api.sharded_engine import DMPModel, is_dmp
 from widedp.api.update import Updater
 from widedp.config import SELECTIONS, DPConfig, SelectionConfig
 from widedp.dp import rng
 from widedp.dp.rowgrads import PerSampleRows
 from widedp.dp.sampling import PoissonSampler
 from widedp.dp.selection import SelectionContext, make_selector
-from widedp.dp.step import StepStats, dp_step
+from widedp.dp.step import SINGLE_PROCESS, StepStats, dp_step
 from widedp.errors import ConfigError
 from widedp.run import plan
 
-STATE_FORMAT = "widedp.engine/1"
 UNIT_NAMES = {"example": "training example"}
 
 
@@ -106,7 +106,7 @@ class DPOptimizer:
         self.original_optimizer.load_state_dict(state)
 
 
-class PrivacyEngine:
+class PrivacyEngine(EngineState):
     """DP-sparse training of a wide model (see the module docstring).
 
     Args:
@@ -161,6 +161,7 @@ class PrivacyEngine:
         self._issued: tuple[int, int] | None = None  # (step, B) of the batch the Poisson loader last yielded
         self._loss_fn: Any = None
         self._checks: FirstStepChecks | None = None  # the first steps' checks (``widedp.api.coupling``)
+        self._dmp: DMPModel | None = None  # a torchrec DistributedModelParallel model (``widedp.api.sharded``)
 
     # --------------------------------------------------------------------------------------------------- setup
 
@@ -203,7 +204,11 @@ class PrivacyEngine:
         if not isinstance(b, int) or not 1 <= b <= n:
             raise ConfigError(f"make_private: data_loader.batch_size must be an int in [1, {n}] (the expected Poisson "
                               f"batch size), got {b!r}")
-        capture = Capture(model)
+        self._dmp = DMPModel.of(model, n=n, batch_size=b) if is_dmp(model) else None
+        if self._dmp is not None:
+            self._dmp.refuse_checks(check_independence)
+            self._seeds = self._dmp.seeds_from_rank0(self._seeds)
+        capture = Capture(model) if self._dmp is None else self._dmp.capture()
         try:
             self._setup(capture, optimizer, n=n, b=b, epochs=epochs, table_optimizer=table_optimizer)
         except BaseException:
@@ -219,9 +224,12 @@ class PrivacyEngine:
     def _setup(self, capture: Capture, optimizer: torch.optim.Optimizer, *, n: int, b: int, epochs: int,
                table_optimizer: str | None) -> None:
         """Row space, update, sampling, selection, σ (calibrated when asked) and the budget cap."""
-        self.layout = Layout.of(capture.tables, capture.dense_params)
-        self._updater = Updater(self.layout, optimizer, table_optimizer)
+        dmp = self._dmp
+        self.layout = Layout.of(capture.tables if dmp is None else dmp.table_list, capture.dense_params)
+        self._updater = (Updater(self.layout, optimizer, table_optimizer) if dmp is None
+                         else dmp.updater(self.layout, optimizer, table_optimizer))
         self._updater.clear_grads()  # gradients from before make_private are not this run's
+        b = b if dmp is None else b * dmp.world  # a DMP loader's batch_size is each rank's: b is all ranks'
         self.n, self.batch_size, self.epochs = n, b, epochs
         self.sampling_rate = plan.sampling_rate(self._dp, b, n)
         self.steps_per_epoch = plan.steps_per_epoch(b, n, rate=self._dp.sampling_rate)
@@ -238,7 +246,10 @@ class PrivacyEngine:
     def _start_randomness(self, seeds: rng.RunSeeds) -> None:
         self._seeds = seeds
         self._sampler = PoissonSampler(self.n, sampling_rate=self.sampling_rate, seed=seeds.sampling)
-        self._noise = rng.generator(seeds.noise, self._device)
+        if self._dmp is None:
+            self._noise = rng.generator(seeds.noise, self._device)
+        else:  # each rank's own generator (its rows' keys and noise), and one every rank shares
+            self._noise, self._shared = self._dmp.generators(seeds.noise, self._device)
 
     @property
     def noise_multiplier(self) -> float:
@@ -260,6 +271,11 @@ class PrivacyEngine:
         """The dataset indices of step ``step``'s Poisson batch (a pure function of the secret seed and the step)."""
         return self._sampler.batch(step).tolist()
 
+    def local_items(self, indices: list[int]) -> list[int]:
+        """This process's part of a batch's ``indices`` (all of them on one process; on a DMP model, the
+        contiguous part [B·r/W, B·(r+1)/W) of rank r of W)."""
+        return indices if self._dmp is None else self._dmp.local_items(indices)
+
     def per_sample_grads(self, batch: Any, loss_fn: Any) -> tuple[Tensor, PerSampleRows]:
         """([B] losses, each sample's gradient over ``self.layout``'s rows) from one forward and one backward of
         ``loss_fn(batch)`` ([B] per-sample losses), without stepping. The first call checks that samples do not
@@ -267,7 +283,8 @@ class PrivacyEngine:
         cap = self._ready()
         assert self._checks is not None
         self._checks.coupling(loss_fn)
-        return losses_and_rows(cap, self.layout, loss_fn, batch)
+        return losses_and_rows(cap, self.layout, loss_fn, batch,
+                               reduce=None if self._dmp is None else self._dmp.dense_total)
 
     def step(self, batch: Any, loss_fn: Any) -> Tensor:
         """One DP step on ``batch`` (from the loader): loss_fn(batch) -> [B] per-sample losses. Returns them."""
@@ -296,7 +313,8 @@ class PrivacyEngine:
                                    "losses): the first step checks with it that samples do not interact and that "
                                    "the backward matches loss_reduction (this step is not taken)")
             checks.coupling(self._loss_fn)
-            g = collect(cap, self.layout, batch=b, scale=float(b) if self._mean else 1.0)
+            g = collect(cap, self.layout, batch=b, scale=float(b) if self._mean else 1.0,
+                        reduce=None if self._dmp is None else self._dmp.dense_total)
             checks.replay(g, self._loss_fn, None, what="optimizer.step()", reduction="mean" if self._mean else "sum")
         except Exception:
             cap.clear()  # a refused step's records must not join the next step's
@@ -345,10 +363,13 @@ class PrivacyEngine:
         dp = self._dp
         epoch = min(self.steps // self.steps_per_epoch, self.epochs - 1)
         with torch.no_grad():
+            layout = SINGLE_PROCESS
+            if self._dmp is not None:  # the global batch's rows this rank owns, and its own samples' dense rows
+                g, layout = self._dmp.global_rows(g, self.layout.always_rows), self._dmp.layout(self._shared)
             res = dp_step(g, batch_size=self.batch_size, sampling_rate=self.sampling_rate, clip1=dp.clip1,
                           clip2=dp.clip2, noise_multiplier=dp.noise_multiplier, selector=self._selector,
                           ctx=SelectionContext(epoch=epoch, num_epochs=self.epochs), generator=self._noise,
-                          always_rows=self.layout.always_rows, noise=dp.noise)
+                          always_rows=self.layout.always_rows, noise=dp.noise, layout=layout)
             self._updater.apply(res.grad)
         self.ledger.add(res.spend)
         self.steps += 1
@@ -371,60 +392,5 @@ class PrivacyEngine:
                                 + (() if self._checks is None or self._checks.enabled else (UNCHECKED,)),
                                 private=self._seeds.private, reason=reason,
                                 extra={"noise_multiplier": self.noise_multiplier, "steps": self.steps,
-                                       "sampling_rate": self.sampling_rate, "selection": self._dp.selection.name})
-
-    # --------------------------------------------------------------------------------------------- checkpoints
-
-    def _settings(self) -> dict[str, Any]:
-        dp = self._dp
-        return {"n": self.n, "batch_size": self.batch_size, "epochs": self.epochs, "num_rows": self.layout.num_rows,
-                "noise_multiplier": dp.noise_multiplier, "clip1": dp.clip1, "clip2": dp.clip2, "delta": dp.delta,
-                "accountant": dp.accountant, "selection": dataclasses.asdict(dp.selection),
-                "sampling_rate": dp.sampling_rate, **({"noise": dp.noise} if dp.noise != "gaussian" else {})}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Step, ledger (JSON), table optimizer state and the settings they belong to; no seed, no generator state
-        (``save_private``). Loads with ``torch.load(weights_only=True)``."""
-        self._ready()
-        return {"format": STATE_FORMAT, "steps": self.steps, "ledger": self.ledger.to_json(),
-                "tables": self._updater.state_dict(), "settings": self._settings()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._ready()
-        if state.get("format") != STATE_FORMAT:
-            raise ConfigError(f"engine state: expected format {STATE_FORMAT!r}, got {state.get('format')!r}")
-        mine = self._settings()
-        diff = [k for k in mine if state["settings"].get(k) != mine[k]]
-        if diff:
-            raise ConfigError(f"engine state: written with other settings: {', '.join(diff)} "
-                              f"({[state['settings'].get(k) for k in diff]} vs {[mine[k] for k in diff]})")
-        self._updater.load_state_dict(state["tables"])
-        self.ledger = accounting.Ledger.from_json(state["ledger"])
-        self.steps = int(state["steps"])
-
-    def save_private(self, run_dir: str | Path) -> None:
-        """Write the secret seeds and the noise generator's state at this step to ``run_dir/private/`` (0700);
-        the previous save's state is kept until this one is written. Never share that folder."""
-        self._ready()
-        d = Path(run_dir)
-        rng.save_seeds(d, self._seeds)
-        rng.prune_states(d, self._last_private)
-        rng.save_states(d, self.steps, {"noise": self._noise.get_state()})
-        self._last_private = self.steps
-
-    def load_private(self, run_dir: str | Path) -> None:
-        """Restore what ``save_private`` wrote at this step (call after ``load_state_dict``): exact replay."""
-        self._ready()
-        d = Path(run_dir)
-        seeds = rng.load_seeds(d)
-        if seeds is None:
-            raise ConfigError(f"{d}: no private state in {d / rng.PRIVATE_DIR}")
-        if seeds.mode != self._dp.rng:
-            raise ConfigError(f"{d}: private state is {seeds.mode!r}, this engine is {self._dp.rng!r}")
-        states = rng.load_states(d, self.steps)
-        if states is None:
-            raise ConfigError(f"{d}: no generator state for step {self.steps}; save_private and state_dict must "
-                              "come from the same step (load_state_dict first)")
-        self._start_randomness(seeds)
-        self._noise.set_state(states["noise"])
-        self._last_private = self.steps
+                                       "sampling_rate": self.sampling_rate, "selection": self._dp.selection.name,
+                                       **({} if self._dmp is None else self._dmp.describe())})

@@ -57,6 +57,7 @@ class PoissonLoader:
             if not idx:
                 e.empty_step()
                 continue
+            idx = e.local_items(idx)  # (several processes: this rank's part, possibly empty)
             batch = self._fetch(idx)
             e._issue(t, idx, batch)
             yield batch

@@ -21,6 +21,7 @@ of sample j); ``widedp.api.coupling`` adds what sends no gradient between sample
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,25 +78,28 @@ def clear_grads(layout: Layout) -> None:
         t.weight.grad = None
 
 
-def collect(capture: Capture, layout: Layout, *, batch: int, scale: float = 1.0) -> PerSampleRows:
+def collect(capture: Capture, layout: Layout, *, batch: int, scale: float = 1.0,
+            reduce: Callable[[Tensor], Tensor] | None = None) -> PerSampleRows:
     """``per_sample_rows`` of what ``capture`` recorded since its last ``clear()`` (then cleared)."""
     capture.check_tables_untouched()
     capture.enabled = False  # torch.func re-runs layers: record nothing meanwhile
     try:
-        return per_sample_rows(capture.records, layout, batch=batch, scale=scale)
+        return per_sample_rows(capture.records, layout, batch=batch, scale=scale, reduce=reduce)
     finally:
         capture.enabled = True
         capture.clear()
 
 
-def losses_and_rows(capture: Capture, layout: Layout, loss_fn: Any, batch: Any) -> tuple[Tensor, PerSampleRows]:
+def losses_and_rows(capture: Capture, layout: Layout, loss_fn: Any, batch: Any, *,
+                    reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, PerSampleRows]:
     """([B] losses, each sample's gradient over ``layout``'s rows) from one forward and one backward of
     ``loss_fn(batch)`` ([B] per-sample losses), without stepping; no gradient is left on the model."""
-    loss, g, _ = grads_of(capture, layout, loss_fn, batch)
+    loss, g, _ = grads_of(capture, layout, loss_fn, batch, reduce=reduce)
     return loss, g
 
 
-def grads_of(capture: Capture, layout: Layout, loss_fn: Any, batch: Any) -> tuple[Tensor, PerSampleRows, list[Record]]:
+def grads_of(capture: Capture, layout: Layout, loss_fn: Any, batch: Any, *,
+             reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, PerSampleRows, list[Record]]:
     """``losses_and_rows`` and the calls it recorded (their inputs and output gradients), for the coupling check."""
     capture.clear()
     clear_grads(layout)
@@ -110,7 +114,7 @@ def grads_of(capture: Capture, layout: Layout, loss_fn: Any, batch: Any) -> tupl
     if weighted is not None:
         check_independent(capture, *weighted, torch.isfinite(loss.detach()))
     records = list(capture.records)
-    g = collect(capture, layout, batch=loss.shape[0])
+    g = collect(capture, layout, batch=loss.shape[0], reduce=reduce)
     clear_grads(layout)  # the non-private summed gradient backward left on dense parameters
     return loss.detach(), g, records
 
@@ -183,10 +187,13 @@ def batch_size_of(records: list[Record]) -> int:
     return sizes.pop()
 
 
-def per_sample_rows(records: list[Record], layout: Layout, *, batch: int, scale: float = 1.0) -> PerSampleRows:
+def per_sample_rows(records: list[Record], layout: Layout, *, batch: int, scale: float = 1.0,
+                    reduce: Callable[[Tensor], Tensor] | None = None) -> PerSampleRows:
     """Each of ``batch`` samples' gradient over ``layout``'s R rows; dense rows last within each sample.
 
-    ``scale`` multiplies every gradient (``batch`` for a loss that was the mean over the batch).
+    ``scale`` multiplies every gradient (``batch`` for a loss that was the mean over the batch). ``reduce``: what
+    the backward leaves in a dense ``.grad`` from the sum of this process's per-sample gradients [A·D] (None: that
+    sum; with DDP: the mean over processes, ``widedp.api.sharded.dense_total``).
     """
     for r in records:
         if r.go is not None and r.batch >= 0 and r.batch != batch:
@@ -202,18 +209,21 @@ def per_sample_rows(records: list[Record], layout: Layout, *, batch: int, scale:
         values = values * scale
     tab = coalesce(values, rows, sample, batch, layout.table_rows)
     dense = _dense_rows(records, layout, batch, device)
-    check_dense_sums(dense, layout)
+    check_dense_sums(dense, layout, reduce=reduce)
     if scale != 1.0:
         dense = dense.mul_(scale)
     return with_always_rows(tab, dense.view(batch, layout.always_rows, layout.dim), num_rows=layout.num_rows)
 
 
-def check_dense_sums(dense: Tensor, layout: Layout, *, rtol: float = 1e-3) -> None:
+def check_dense_sums(dense: Tensor, layout: Layout, *, rtol: float = 1e-3,
+                     reduce: Callable[[Tensor], Tensor] | None = None) -> None:
     """Each dense parameter's per-sample gradients ``dense`` [B, A·D] must add up to the gradient the backward left in
     ``p.grad`` (when it left one): otherwise the parameter was read outside its module's forward or the loss has a
     term that is not a sum over samples, and the per-sample gradients would be wrong. (Samples that interact can
     still add up: ``check_independent`` is the check for them.)"""
     total, at = dense.sum(0), 0
+    if reduce is not None:
+        total = reduce(total)
     for name, p in layout.dense:
         mine, at = total[at : at + p.numel()], at + p.numel()
         if p.grad is None:

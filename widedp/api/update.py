@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -78,11 +79,14 @@ def table_optimizer(opt: torch.optim.Optimizer, weight: Tensor, name: str | None
 class Updater:
     """Applies a noisy ``SparseRows`` over ``layout``'s rows (see the module docstring)."""
 
-    def __init__(self, layout: Layout, optimizer: torch.optim.Optimizer, table_optimizer_name: str | None) -> None:
+    def __init__(self, layout: Layout, optimizer: torch.optim.Optimizer, table_optimizer_name: str | None,
+                 weights: list[Tensor] | None = None) -> None:
+        """``weights``: what each table's row optimizer updates (default: the tables' weights)."""
         self.layout, self.optimizer = layout, optimizer
-        self.specs = [table_optimizer(optimizer, t.weight, table_optimizer_name) for t in layout.tables]
-        self.rows = [make_row_optimizer(s.name, [(0, t.weight)], lr=self._lr(s), betas=s.betas, eps=s.eps)
-                     for s, t in zip(self.specs, layout.tables)]
+        weights = [t.weight for t in layout.tables] if weights is None else weights
+        self.specs = [table_optimizer(optimizer, w, table_optimizer_name) for w in weights]
+        self.rows = [make_row_optimizer(s.name, [(0, w)], lr=self._lr(s), betas=s.betas, eps=s.eps)
+                     for s, w in zip(self.specs, weights)]
         bounds = [t.offset for t in layout.tables] + [layout.table_rows, layout.num_rows]
         self._bounds = torch.tensor(bounds, device=layout.tables[0].weight.device)
         known = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -109,10 +113,15 @@ class Updater:
                 local, v = local[keep], v[keep]
             if local.numel():
                 opt.step(SparseRows(local, v.to(t.weight.dtype), t.num_rows))
+        self.apply_dense(rows[cuts[-2] : cuts[-1]], values[cuts[-2] : cuts[-1]])
+
+    def apply_dense(self, rows: Tensor, values: Tensor) -> None:
+        """The dense rows [a] (ids R_tab + i) with their values [a, D] -> ``p.grad``, the user's optimizer steps;
+        then every gradient is cleared."""
+        lay = self.layout
         if lay.dense:
             buf = values.new_zeros(lay.always_rows, lay.dim)
-            a, b = cuts[-2], cuts[-1]
-            buf.index_copy_(0, rows[a:b] - lay.table_rows, values[a:b])
+            buf.index_copy_(0, rows - lay.table_rows, values)
             flat, at = buf.reshape(-1), 0
             for _, p in lay.dense:
                 p.grad = flat[at : at + p.numel()].view_as(p).to(p.dtype).clone()
@@ -129,3 +138,31 @@ class Updater:
     def load_state_dict(self, d: dict[str, Tensor]) -> None:
         for i, opt in enumerate(self.rows):
             opt.load_state_dict({k.split(".", 1)[1]: v for k, v in d.items() if k.split(".", 1)[0] == str(i)})
+
+
+class ShardedUpdater(Updater):
+    """``Updater`` for tables sharded by torchrec (``widedp.api.sharded``): each rank's row optimizers update the
+    slices it holds; the released rows of every owner are all_gathered first (post-processing of released values),
+    so a replicated table moves alike on every rank and a column-split row on each column slice's holder."""
+
+    def __init__(self, layout: Layout, optimizer: torch.optim.Optimizer, table_optimizer_name: str | None,
+                 tables: list[Any], group: Any = None) -> None:
+        self.held = [t for t in tables if t.local is not None]
+        super().__init__(layout, optimizer, table_optimizer_name, weights=[t.local.view for t in self.held])
+        self.group = group
+
+    @torch.no_grad()
+    def apply(self, grad: SparseRows) -> None:
+        from widedp.dp.layout import _all_gather_var
+
+        tab = grad.rows < self.layout.table_rows
+        rows, values = _all_gather_var(grad.rows[tab], self.group), _all_gather_var(grad.values[tab], self.group)
+        for t, opt, spec in zip(self.held, self.rows, self.specs):
+            (r0, r1), (c0, c1) = t.local.rows, t.local.cols
+            at = t.table.offset + r0
+            mine = ((rows >= at) & (rows < t.table.offset + r1)).nonzero().squeeze(1)
+            if mine.numel():
+                opt.lr = self._lr(spec)
+                v = values.index_select(0, mine)[:, c0:c1]
+                opt.step(SparseRows(rows.index_select(0, mine) - at, v.to(t.local.view.dtype), r1 - r0))
+        self.apply_dense(grad.rows[~tab], grad.values[~tab])

@@ -1,0 +1,182 @@
+"""``make_private`` on a torchrec ``DistributedModelParallel`` model on 2 and 3 gloo processes (``widedp.api.sharded``).
+
+- With σ -> 0 and ``selection: all``, after 4 DP steps every rank's slices and the MLP equal a one-process
+  engine's on the unsharded model (same Poisson batches: the global batch is one process's batch) to 1e-6, for
+  torchrec's default plan, a table-wise plan and a plan mixing column-wise, table-wise and data-parallel tables;
+- ε (PLD, σ = 1) equals the one-process engine's;
+- noise: each coordinate of every table kind and of the MLP moves by N(0, (σ S1/b)²) on a zero gradient (a row
+  noised by two ranks would show √2 times that), and a replicated table and the MLP stay equal on every rank;
+- selection: the exponential mechanism with equal scores picks each of the 21 rows of the three tables with
+  probability 1/21 (χ²; a row owned twice or never would be picked twice as often or never);
+- refusals: the first-step checks, an unsharded table beside sharded ones.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytest.importorskip("torchrec")
+
+N, B = 48, 4  # dataset size, expected batch size per process
+
+
+def _equal_to_one_process(world: int, kinds: tuple[str, ...]) -> dict:
+    from api_toys import interactions
+    from dmp_toy import held, sharded, train
+
+    data = interactions(N, seed=0)
+    out = {}
+    for kind in kinds:
+        dmp, ref = sharded(kind, world)
+        common = dict(selection="all", clip1=1.0, noise_multiplier=1e-9, secure_rng=False, seed=3, accountant="rdp")
+        eng = train(dmp, data, batch_size=B, steps=4, **common)
+        train(ref, data, batch_size=B * world, steps=4, **common)
+        full = {n: m.weight for n, m in ref.ebc.embedding_bags.named_children()}
+        worst = 0.0
+        for t in held(dmp):
+            (r0, r1), (c0, c1) = t.local.rows, t.local.cols
+            want = full[t.table.name.split(".")[-1]][r0:r1, c0:c1]
+            worst = max(worst, float((t.local.view.detach() - want).abs().max()))
+        for p, q in zip(dmp.module.mlp.parameters(), ref.mlp.parameters()):
+            worst = max(worst, float((p - q).abs().max()))
+        moved = float((full["t_user"] - sharded(kind, world)[1].ebc.embedding_bags.t_user.weight).abs().max())
+        out[kind] = {"diff": worst, "moved": moved, "steps": eng.steps, "sharding": eng.statement().extra["sharding"]}
+    return out
+
+
+def _epsilon(world: int) -> dict:
+    from api_toys import interactions
+    from dmp_toy import sharded, train
+
+    data = interactions(N, seed=0)
+    dmp, ref = sharded("mix", world)
+    common = dict(selection="all", clip1=1.0, noise_multiplier=1.0, delta=1e-5)
+    eng = train(dmp, data, batch_size=B, steps=3, **common)
+    one = train(ref, data, batch_size=B * world, steps=3, **common)
+    return {"eps": eng.epsilon(), "eps_one": one.epsilon(), "q": eng.sampling_rate, "q_one": one.sampling_rate,
+            "text": eng.statement().text}
+
+
+def _noise_law(world: int) -> dict:
+    """σ = 1, S1 = 1, b = B·W, SGD lr 1, 20 steps of an empty batch: each coordinate moves by a sum of 20 draws."""
+    from api_toys import interactions
+    from dmp_toy import held, sharded, train
+
+    dmp, _ = sharded("mix", world)
+    eng = train(dmp, interactions(N, seed=0), batch_size=B, steps=0, selection="all", clip1=1.0,
+                noise_multiplier=1.0, lr=1.0)
+    before = {t.table.name: t.local.view.detach().clone() for t in held(dmp)}
+    mlp = [p.detach().clone() for p in dmp.module.mlp.parameters()]
+    for _ in range(20):
+        eng.empty_step()
+    std = 1.0 / (B * world) * 20 ** 0.5
+    ratios = {f"{t.table.name} ({t.kind})": float((t.local.view.detach() - before[t.table.name]).std() / std)
+              for t in held(dmp)}
+    moved = torch.cat([(p.detach() - q).reshape(-1) for p, q in zip(dmp.module.mlp.parameters(), mlp)])
+    ratios["mlp"] = float(moved.std() / std)
+    rep = torch.cat([dmp.module.ebc.embedding_bags.t_tags.weight.detach().reshape(-1), moved])
+    every = [torch.zeros_like(rep) for _ in range(world)]
+    dist.all_gather(every, rep)
+    return {"ratios": ratios, "replicas_equal": all(torch.equal(e, every[0]) for e in every)}
+
+
+def _selection_law(world: int, steps: int) -> dict:
+    """Exponential selection, k = 1, empty batches (every score 0): which global row each step moved."""
+    from api_toys import interactions
+    from dmp_toy import held, sharded, train
+
+    dmp, _ = sharded("mix", world)
+    sel = {"name": "exponential", "k": 1, "epsilon": 0.1, "score_clip": 0.1}
+    eng = train(dmp, interactions(N, seed=0), batch_size=B, steps=0, selection=sel, clip1=1.0,
+                noise_multiplier=1.0, lr=1.0)
+    counts = torch.zeros(21)
+    for _ in range(steps):
+        before = {t.table.name: t.local.view.detach().clone() for t in held(dmp)}
+        eng.empty_step()
+        moved = torch.zeros(21)
+        for t in held(dmp):
+            changed = (t.local.view.detach() != before[t.table.name]).any(1)
+            moved[t.table.offset + t.local.rows[0] + changed.nonzero().squeeze(1)] = 1
+        dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+        counts += moved
+    return {"counts": counts.tolist()}
+
+
+def _refusals(world: int) -> dict:
+    from api_toys import interactions
+    from dmp_toy import collate, sharded
+    from torch.utils.data import DataLoader
+
+    import widedp
+    from widedp.errors import ConfigError
+
+    dmp, _ = sharded("tw", world)
+    eng = widedp.PrivacyEngine(selection="all", clip1=1.0, noise_multiplier=1.0)
+    try:
+        eng.make_private(dmp, torch.optim.SGD(dmp.parameters(), lr=0.1),
+                         DataLoader(interactions(N), batch_size=B, collate_fn=collate), epochs=1, loss_fn=lambda b: b)
+        checks = "accepted"
+    except ConfigError as e:
+        checks = str(e)
+    return {"checks": checks}
+
+
+def _worker(rank: int, world: int, port: int, out: str, tasks: list[str]) -> None:
+    from dmp_toy import join
+
+    join(rank, world, port)
+    result = {}
+    for task in tasks:
+        if task == "equal":
+            result[task] = _equal_to_one_process(world, ("default", "tw", "mix") if world == 2 else ("mix",))
+        elif task == "epsilon":
+            result[task] = _epsilon(world)
+        elif task == "noise":
+            result[task] = _noise_law(world)
+        elif task == "selection":
+            result[task] = _selection_law(world, 420)
+        elif task == "refusals":
+            result[task] = _refusals(world)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _run(world: int, tasks: list[str], tmp_path: Path) -> list[dict]:
+    from widedp.distributed.ranks import free_port
+
+    mp.spawn(_worker, args=(world, free_port(), str(tmp_path), tasks), nprocs=world)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_dmp_two_processes(tmp_path: Path) -> None:
+    from scipy import stats
+
+    ranks = _run(2, ["equal", "epsilon", "noise", "selection", "refusals"], tmp_path)
+    for r in ranks:
+        for kind, res in r["equal"].items():
+            assert res["steps"] == 4 and res["moved"] > 1e-3, kind  # the tables did train
+            assert res["diff"] < 1e-6, (kind, res)
+        assert set(r["equal"]["mix"]["sharding"].values()) == {"column_wise", "table_wise", "data_parallel"}
+        e = r["epsilon"]
+        assert e["q"] == e["q_one"] == 8 / 48 and abs(e["eps"] - e["eps_one"]) < 1e-12 and e["eps"] > 0
+        noise = r["noise"]
+        assert noise["replicas_equal"]
+        for name, ratio in noise["ratios"].items():
+            assert 0.85 < ratio < 1.15, (name, ratio)  # a second draw (√2) or none (0) is far outside
+        assert "check_independence=False" in r["refusals"]["checks"]
+    counts = ranks[0]["selection"]["counts"]
+    assert counts == ranks[1]["selection"]["counts"] and sum(counts) == 420  # exactly one row per step
+    assert stats.chisquare(counts).pvalue > 1e-3, counts
+
+
+def test_dmp_three_processes(tmp_path: Path) -> None:
+    ranks = _run(3, ["equal"], tmp_path)
+    for r in ranks:
+        res = r["equal"]["mix"]
+        assert res["diff"] < 1e-6 and res["moved"] > 1e-3, res
