@@ -110,3 +110,18 @@ def test_a_selection_without_a_knob_cannot_calibrate_its_epsilon():
     cfg = _cfg(target_epsilon=3.0, calibrate="selection_epsilon")
     with pytest.raises(ConfigError, match="dp.calibrate: selection_epsilon needs a selection with a privacy"):
         replace(cfg.dp, selection=UniformSelectionConfig(k=10))
+
+
+def test_a_new_runs_delta_must_be_below_one_over_n_whatever_its_size():
+    cfg = _cfg()  # δ = 1e-5, the shipped configs' and DPConfig's default, on sentences
+    plan.check_data(cfg, 99_999)  # 1/N = 1.00001e-5 > δ
+    for n, many in ((100_000, "1.0"), (199_584, "2.0")):  # δ = 1/N exactly; the default job's N (δ·N = 2)
+        with pytest.raises(ConfigError) as e:
+            plan.check_data(cfg, n)
+        assert str(e.value) == (f"dp.delta: 1e-05 is not below 1/N = {1 / n:.3g} (N = {n:,} training sentences): "
+                                f"publishing each sentence in the clear with probability δ meets it (about {many} "
+                                "of them); lower it, or set dp.allow_large_delta: true")
+    plan.check_data(cfg, 199_584, new=False)  # a resumed run keeps the δ it started with
+    plan.check_data(_cfg(allow_large_delta=True), 199_584)
+    with pytest.raises(ConfigError, match=r"dp.delta: 0.5 is not below 1/N = 0.5 \(N = 2 training sentences\)"):
+        plan.check_data(replace(cfg, dp=replace(cfg.dp, delta=0.5, sampling_rate=0.5)), 2)

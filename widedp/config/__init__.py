@@ -166,10 +166,10 @@ class DPConfig:
         sampling_rate: q of Poisson sampling, fixed in the config (an epoch is then round(1/q) steps); null (the
             default) = b / N, which uses the number N of training units: the data's size, listed as not covered.
             ``train.batch_size`` stays the noise's fixed denominator b (best near q·N).
-        allow_large_delta: accept a ``delta`` above the conventional 1e-5 and at or above 1/N (N: the training
-            units Poisson sampling draws). Such a δ is met by a mechanism that publishes each record in the clear
-            with probability δ (δ·N of them on average; δ = 0.5 reports ε = 0), so a new run refuses it unless this
-            is true; the statement always prints δ. Not part of the config's hash (it changes no computation).
+        allow_large_delta: accept a ``delta`` at or above 1/N (N: the training units Poisson sampling draws).
+            Such a δ is met by a mechanism that publishes each unit in the clear with probability δ (δ·N of them on
+            average; δ = 0.5 reports ε = 0), so a new run refuses it unless this is true; the statement always
+            prints δ. Not part of the config's hash (it changes no computation).
     """
 
     clip1: float = 15.0

@@ -38,26 +38,20 @@ def steps_per_epoch(batch_size: int, n: int, *, rate: float | None = None) -> in
     return max(1, round(1 / rate)) if rate is not None else max(1, round(n / batch_size))
 
 
-#: the δ every shipped config uses (the DPConfig default): accepted whatever N (the full-data configs have N of
-#: 200K - 1.5M records, δ·N of 2 - 15); a larger δ must be below 1/N, or allowed explicitly
-CONVENTIONAL_DELTA = 1e-5
-
-
 def check_data(cfg: Config, n: int, *, new: bool = True) -> None:
     """What a DP plan asks of the N = ``n`` training units (samples, or units when a unit groups samples): at most
-    N expected samples per step when q is b/N, and for a ``new`` run a ``dp.delta`` above ``CONVENTIONAL_DELTA``
-    below 1/N unless ``dp.allow_large_delta`` (a resumed run keeps what it started with). One line naming the key
-    otherwise."""
+    N expected samples per step when q is b/N, and for a ``new`` run a ``dp.delta`` below 1/N unless
+    ``dp.allow_large_delta`` (a resumed run keeps what it started with). One line naming the key otherwise."""
     assert cfg.dp is not None
     dp, b = cfg.dp, cfg.train.batch_size
     what = f"{n:,} training {units.privacy_unit(cfg)}{'s' if n != 1 else ''}"
     if dp.sampling_rate is None and b > n:
         raise ConfigError(f"train.batch_size: {b:,} is above the {what} (N); Poisson sampling's rate b/N must be at "
                           "most 1: lower it (or fix dp.sampling_rate)")
-    if new and dp.delta * n >= 1 and dp.delta > CONVENTIONAL_DELTA and not dp.allow_large_delta:
+    if new and dp.delta >= 1 / n and not dp.allow_large_delta:
         raise ConfigError(f"dp.delta: {dp.delta:g} is not below 1/N = {1 / n:.3g} (N = {what}): publishing each "
-                          f"record in the clear with probability δ meets it (about {dp.delta * n:,.0f} records); "
-                          "lower it, or set dp.allow_large_delta: true")
+                          f"{units.privacy_unit(cfg)} in the clear with probability δ meets it (about "
+                          f"{dp.delta * n:,.1f} of them); lower it, or set dp.allow_large_delta: true")
 
 
 def total_steps(cfg: Config, n: int) -> int:
