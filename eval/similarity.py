@@ -5,7 +5,9 @@ The score of a pair set is gensim's ``KeyedVectors.evaluate_word_pairs`` (defaul
 float64, without building a gensim model: lines starting with ``#`` and lines that are not ``word<TAB>word<TAB>score``
 are skipped; words are matched case-insensitively (upper-cased; of words equal up to case the first in vocabulary
 order is used); a pair with a word outside the vocabulary is left out (and counted); the model's similarity is the
-cosine (0 for a zero vector); Spearman's ρ and Pearson's r are scipy's over the pairs left. Unlike gensim's
+cosine (0 for a zero vector); Spearman's ρ and Pearson's r are scipy's over the pairs left (with ρ's approximate
+95% interval, Fisher's z with Fieller et al.'s variance 1.06 / (n − 3): over the ~40 pairs a small vocabulary
+keeps it is about ±0.3 wide, so such ρ differ by chance). Unlike gensim's
 default, the whole vocabulary is used (gensim's ``restrict_vocab`` keeps the first 300,000 words). The pair files
 are gensim's bundled copies (``gensim.test.utils.datapath``: the ``eval`` extra).
 """
@@ -93,8 +95,9 @@ def _finite(x: float) -> float | None:
 def pair_scores(words: Sequence[str], vectors: np.ndarray, pairs: PairSet) -> dict[str, Any]:
     """Correlation of the cosines of ``vectors`` [V, D] (row i = ``words[i]``) with ``pairs``' gold scores.
 
-    Returns spearman and pearson (None with fewer than 2 pairs in the vocabulary or a constant side), pairs (P),
-    in_vocab (pairs with both words in the vocabulary) and share_in_vocab = in_vocab / P."""
+    Returns spearman and pearson (None with fewer than 2 pairs in the vocabulary or a constant side),
+    spearman_ci95 ([lo, hi], ``spearman_interval``; None below 4 pairs), pairs (P), in_vocab (pairs with both words
+    in the vocabulary) and share_in_vocab = in_vocab / P."""
     from scipy import stats
 
     if len(words) != len(vectors):
@@ -104,7 +107,7 @@ def pair_scores(words: Sequence[str], vectors: np.ndarray, pairs: PairSet) -> di
     keep = np.array([a is not None and b is not None for a, b in hits], dtype=bool)
     total, n = len(hits), int(keep.sum())
     out: dict[str, Any] = {"pairs": total, "in_vocab": n, "share_in_vocab": n / total if total else None,
-                           "spearman": None, "pearson": None}
+                           "spearman": None, "spearman_ci95": None, "pearson": None}
     if n >= 2:
         ia = np.array([a for (a, _), k in zip(hits, keep) if k])
         ib = np.array([b for (_, b), k in zip(hits, keep) if k])
@@ -114,7 +117,18 @@ def pair_scores(words: Sequence[str], vectors: np.ndarray, pairs: PairSet) -> di
         if np.ptp(cos) > 0 and np.ptp(gold) > 0:
             out["spearman"] = _finite(stats.spearmanr(gold, cos).statistic)
             out["pearson"] = _finite(stats.pearsonr(gold, cos).statistic)
+            out["spearman_ci95"] = spearman_interval(out["spearman"], n)
     return out
+
+
+def spearman_interval(rho: float | None, n: int) -> list[float] | None:
+    """Approximate 95% interval of a Spearman ρ over ``n`` pairs: tanh(atanh ρ ± 1.96 √(1.06 / (n − 3))) (Fieller,
+    Hartley & Pearson 1957); None when ρ is None or n < 4."""
+    if rho is None or n < 4:
+        return None
+    z = math.atanh(min(max(rho, -1 + 1e-15), 1 - 1e-15))
+    half = 1.959964 * math.sqrt(1.06 / (n - 3))
+    return [math.tanh(z - half), math.tanh(z + half)]
 
 
 def neighbours(words: Sequence[str], vectors: np.ndarray, probes: Sequence[str], *, k: int = 5

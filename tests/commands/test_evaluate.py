@@ -59,6 +59,12 @@ def test_spearman_exact_on_hand_made_vectors():
     swapped[i], swapped[j] = swapped[j], swapped[i]
     got = sim.pair_scores(words, vectors, _pairs(swapped))
     assert got["spearman"] == pytest.approx(1 - 6 * 2 / (6 * 35), abs=1e-12)
+    # its interval: Fisher's z with variance 1.06 / (n - 3), by hand
+    rho, n = got["spearman"], 6
+    half = 1.959964 * math.sqrt(1.06 / (n - 3))
+    assert got["spearman_ci95"] == pytest.approx([math.tanh(math.atanh(rho) - half), math.tanh(math.atanh(rho) + half)])
+    assert got["spearman_ci95"][0] < rho < got["spearman_ci95"][1]
+    assert sim.spearman_interval(0.0, 40) == pytest.approx([-0.3201, 0.3201], abs=1e-4)
     # fewer than two pairs in the vocabulary: no correlation, not a NaN
     assert sim.pair_scores(words[:1] + words[6:7], vectors[[0, 6]], _pairs(gold))["spearman"] is None
 

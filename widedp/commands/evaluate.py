@@ -153,9 +153,10 @@ def format_report(report: dict[str, Any]) -> str:
     lines = []
     for s in report["word_similarity"].values():
         rho = "–" if s["spearman"] is None else f"{s['spearman']:.3f}"
+        ci = "" if s.get("spearman_ci95") is None else " [{:.2f}, {:.2f}]".format(*s["spearman_ci95"])
         share = "" if s["share_in_vocab"] is None else f", {100 * s['share_in_vocab']:.1f}%"
-        lines.append(f"{s['name']:<12s} Spearman rho {rho:>6s}  ({s['in_vocab']} of {s['pairs']} pairs in the "
-                     f"vocabulary{share})")
+        lines.append(f"{s['name']:<12s} Spearman rho {rho:>6s}{ci:<15s} ({s['in_vocab']} of {s['pairs']} pairs in "
+                     f"the vocabulary{share})")
     for entry in report["neighbours"]:
         lines.append(f"  {entry['word']}: " + ", ".join(f"{n} {c:.2f}" for n, c in entry["nearest"]))
     return "\n".join(lines)
