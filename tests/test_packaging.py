@@ -10,6 +10,7 @@ The real check, ``pip install .`` into a fresh virtual environment, stays a manu
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -168,3 +169,51 @@ def test_api_reference_is_up_to_date() -> None:
     spec.loader.exec_module(api_docs)
     assert (ROOT / "docs" / "api.md").read_text(encoding="utf-8") == api_docs.render(), \
         "docs/api.md is out of date: run python scripts/api_docs.py"
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_config_reference_is_up_to_date() -> None:
+    config_docs = _script("config_docs")
+    assert (ROOT / "docs" / "configs.md").read_text(encoding="utf-8") == config_docs.render(), \
+        "docs/configs.md is out of date: run python scripts/config_docs.py"
+
+
+def test_config_reference_lists_every_key_with_its_type_default_and_meaning() -> None:
+    from widedp.config import TASK_SECTIONS, DPConfig, TrainConfig, VocabDPConfig
+    from widedp.config.selection import SELECTIONS, PreselectConfig
+
+    config_docs = _script("config_docs")
+    text = (ROOT / "docs" / "configs.md").read_text(encoding="utf-8")  # (its rows: the up-to-date test)
+    classes = {c for data, model, _, algo in TASK_SECTIONS.values() for c in (data, model, algo) if c is not None}
+    for cls in classes | {VocabDPConfig, TrainConfig, DPConfig, PreselectConfig, *SELECTIONS.values()}:
+        rows = config_docs.table(cls).splitlines()[2:]
+        assert [r.split(" | ")[0] for r in rows] == [f"| `{f.name}`" for f in dataclasses.fields(cls)]
+        assert all(len(r.split(" | ")) >= 4 and r.split(" | ")[3].strip(" |") for r in rows), cls
+        assert f"[`{cls.__name__}`](api.md#" in text, cls
+    # the parser: an entry per key, several keys in one entry, an entry that starts after a sentence
+    train = config_docs.args_entries(TrainConfig)
+    assert train["betas"] == train["eps"] == "Adam's." and train["lr"] == "learning rate."
+    assert train["checkpoint_every"].startswith("steps between checkpoints")
+    assert config_docs.first_sentence("a (b. C) c. D e.") == "a (b. C) c."
+
+
+def test_config_reference_refuses_an_undocumented_key() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Section:
+        """A section.
+
+        Args:
+            known: documented.
+        """
+
+        known: int = 1
+        unknown: int = 2
+
+    with pytest.raises(SystemExit, match="the field 'unknown' has no entry"):
+        _script("config_docs").table(Section)

@@ -143,7 +143,8 @@ class DPConfig:
         clip1: S1, per-sample L2 clip.
         clip2: S2, L2 clip of the selected gradient (null = no second clip).
         noise_multiplier: sigma, relative to the sensitivity min(S1/b, 2*S2) of the selected gradient.
-        delta: the delta of the reported (epsilon, delta).
+        delta: the delta of the reported (epsilon, delta); a new run refuses one at or above 1/N for its N training
+            units (``allow_large_delta``).
         rng: ``secure`` (default: sampling, selection and noise seeded from the OS CSPRNG, seeds kept only in
             RUN/private/) | ``reproducible`` (derived from train.seed, for tests and debugging: NOT private).
         noise: the step's noise: ``gaussian`` (default: torch's continuous sampler, x + N(0, (σΔ₂)²) in floating

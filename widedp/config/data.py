@@ -103,6 +103,8 @@ class DataConfig(TokenFilter):
         seed: seed of the record keys (the splits and the stored negatives); need not be secret.
         lowercase, alpha_only, remove_stopwords: token filters (``TokenFilter``).
         max_sentences: keep only the first N sentences (0 = all) — for smoke tests.
+        hf_split: split of an ``hf:`` corpus.
+        hf_column: text column of an ``hf:`` corpus.
         cache_dir: where prepared id arrays are cached (keyed by these parameters); "" turns caching off.
         privacy_unit: what one DP guarantee protects: ``pair`` (one sample) | ``sentence`` | ``document`` (Brown:
             a source file; ``text:``: a block of lines between blank lines; ``hf:``: a row). With a unit other than

@@ -39,6 +39,7 @@ class GLMDataConfig(TokenFilter):
     """Documents -> sparse bag-of-words rows with a class label.
 
     Args:
+        preset: ``brown_glm`` | ``custom``; the preset fills keys the config leaves out.
         corpus: ``brown`` (NLTK; label = the document's category) or ``text:PATH`` (UTF-8, one document per line,
             ``LABEL<TAB>TEXT``).
         chunk_tokens: split each document's filtered token stream into chunks of this many tokens (one sample
@@ -53,7 +54,11 @@ class GLMDataConfig(TokenFilter):
         splits: fractions (train, valid, test) of the documents or, with ``split_by: chunk``, of the chunks:
             record-local (each document or chunk's split comes from a key of its own, ``widedp.data_prep.splits``;
             sizes are Binomial).
+        split_by: ``document`` (a document's chunks share its split) | ``chunk`` (each chunk has a split of its
+            own).
+        seed: seed of the record keys (need not be secret).
         max_docs: keep only the first N documents (0 = all) — for smoke runs.
+        cache_dir: where prepared arrays are cached (keyed by these parameters); ``""`` turns caching off.
         lowercase, alpha_only, remove_stopwords: token filters (``TokenFilter``, as the cbow task's).
     """
 
@@ -95,7 +100,11 @@ class GLMDataConfig(TokenFilter):
 
 @dataclass(frozen=True)
 class GLMModelConfig:
-    """Multinomial logistic regression W: [d, K], initialised at zero (every algorithm starts there)."""
+    """Multinomial logistic regression W: [d, K], initialised at zero (every algorithm starts there).
+
+    Args:
+        dtype: ``float32`` | ``float64``, the dtype of W and of the feature rows.
+    """
 
     kind: Literal["multinomial_logistic"] = "multinomial_logistic"
     dtype: Literal["float32", "float64"] = "float32"
@@ -125,29 +134,49 @@ _PRIVATE = tuple(a for a in ALGORITHMS if a != "nonprivate")
 
 @dataclass(frozen=True)
 class GLMAlgorithmConfig:
-    """One of the convex algorithms. Common: ``epsilon`` (the target eps of the whole run, required for private
-    algorithms), ``delta``, ``accountant`` (pld | rdp; the reported eps; DP-AGD always reports zCDP), ``rng``
-    (``secure``, the default: the sampling and noise seeds come from the OS CSPRNG and are kept only in
-    RUN/private/ | ``reproducible``: derived from train.seed, for tests and debugging -- the run is NOT private).
-    Specific keys (null = default):
+    """One of the convex algorithms (``name``). The keys after ``rng`` belong to some algorithms only (a key set for
+    an algorithm that has none is refused); null takes the algorithm's default.
 
-    - dp_agd: iterations (nominal T), clip (C_grad, per-sample L2), loss_clip (C_obj), nmax_share (share of a step's
-      budget spent on NoisyMax), gamma (budget growth when no step helps), step_candidates, step_max (initial
-      largest step), step_window (tau: steps between step-set updates).
-    - frank_wolfe: iterations (T), radius (l1 ball), step (constant eta in (0, 1]; 0 = 1/sqrt(T)), noise (laplace |
-      gumbel oracle), first_batch_fraction.
-    - output_perturbation: l2_reg (lambda), mechanism (gaussian | laplace), sparsity (s of the poster's Laplace
-      formula, reported only; 0 = (chunk_tokens + 1) * K), radius (R of the feasible L2 ball X; 0 = L / lambda),
-      solver_iterations (the private solver runs at least the k* iterations that bound its residual).
-    - sparse_mean_gd: iterations, lr, clip, batch_size (0 = full batch: sensitivity 2 clip / n), estimator
-      (gaussian | projection | l1_recovery), l1_radius (0 = clip * sqrt(sparsity)), sparsity, block_size,
-      measurement_ratio (l1_recovery).
-    - numeric_sparse: iterations, lr, clip (per-sample l_inf), batch_size (expected group size; >= n: full batch,
-      sensitivity 2 clip / n), cutoff (c1),
-      threshold_scale (alpha in units of the query-noise scale), release_share (eps2 / (eps1 + eps2)).
-    - dpsgd: iterations, lr, clip, batch_size (0 = full batch: the mean over the dataset's own n, sensitivity
-      2 clip / n; else Poisson with this expected size as the fixed denominator, sensitivity clip / b).
-    - nonprivate: l2_reg, solver_iterations.
+    Args:
+        name: the algorithm: ``dp_agd`` | ``frank_wolfe`` | ``output_perturbation`` | ``sparse_mean_gd`` |
+            ``numeric_sparse`` | ``dpsgd`` | ``nonprivate``.
+        epsilon: the target ε of the whole run (required for the private algorithms).
+        delta: the δ of the reported (ε, δ).
+        accountant: ``pld`` | ``rdp``, the reported ε (DP-AGD always reports zCDP).
+        rng: ``secure`` (the default: the sampling and noise seeds come from the OS CSPRNG and are kept only in
+            RUN/private/) | ``reproducible`` (derived from train.seed, for tests and debugging -- the run is NOT
+            private).
+        iterations: T, the number of iterations (dp_agd: nominal, it sets the initial per-iteration budget).
+        lr: the step size.
+        clip: the per-sample gradient clip (l2; numeric_sparse: l_inf; dp_agd: C_grad).
+        batch_size: dpsgd: 0 = full batch (the mean over the dataset's own n, sensitivity 2 clip / n), else Poisson
+            with this expected size as the fixed denominator (sensitivity clip / b); sparse_mean_gd: 0 = full batch;
+            numeric_sparse: the expected group size (>= n: full batch, sensitivity 2 clip / n).
+        loss_clip: C_obj, the clip of the per-sample loss in DP-AGD's step choice.
+        nmax_share: the share of a DP-AGD step's budget spent on NoisyMax.
+        gamma: DP-AGD's budget growth when no step helps.
+        step_candidates: the number of step sizes DP-AGD chooses among.
+        step_max: DP-AGD's initial largest step.
+        step_window: tau, DP-AGD's steps between step-set updates.
+        radius: frank_wolfe: the l1 ball's radius; output_perturbation: R of the feasible L2 ball X (0 = L /
+            lambda).
+        step: Frank-Wolfe's constant eta in (0, 1] (0 = 1/sqrt(T)).
+        noise: Frank-Wolfe's oracle, ``laplace`` | ``gumbel``.
+        first_batch_fraction: Frank-Wolfe's probability that a sample goes to the first batch (otherwise to one of
+            the T - 1 later batches).
+        l2_reg: lambda, the L2 regularisation (output_perturbation, nonprivate).
+        mechanism: output perturbation's noise, ``gaussian`` | ``laplace``.
+        sparsity: s, the sparsity bound of a gradient (0 = (chunk_tokens + 1) * K): output_perturbation: of the
+            poster's Laplace formula, reported only; sparse_mean_gd: the projection's l1 radius is clip * sqrt(s).
+        solver_iterations: iterations of the (non-private or output-perturbed) solver; the private solver runs at
+            least the k* iterations that bound its residual.
+        estimator: sparse_mean_gd's mean estimator, ``gaussian`` | ``projection`` | ``l1_recovery``.
+        l1_radius: sparse_mean_gd's projection radius (0 = clip * sqrt(sparsity)).
+        block_size: ``l1_recovery``'s blocks of coordinates.
+        measurement_ratio: ``l1_recovery``'s rows per block coordinate (m_b = ceil(ratio * block_size)).
+        cutoff: c1, the most coordinates NumericSparse releases per iteration.
+        threshold_scale: alpha, NumericSparse's threshold in units of the query-noise scale.
+        release_share: eps2 / (eps1 + eps2), NumericSparse's share of the budget spent on the released values.
     """
 
     name: Literal["dp_agd", "frank_wolfe", "output_perturbation", "sparse_mean_gd", "numeric_sparse", "dpsgd",

@@ -34,6 +34,7 @@ class GaussianThresholdSelectionConfig:
     Args:
         sigma: σ_sel, the noise std in units of the count sensitivity (1).
         threshold: τ in count units; or ``threshold_sigmas`` c: τ = c·sigma (neither: τ = sigma).
+        threshold_sigmas: c, for τ = c·sigma (instead of ``threshold``).
         max_rows: at most this many rows per step: when more pass, a uniformly random subset of them (a
             data-independent rule: post-processing, free). null = no cap.
     """
@@ -74,6 +75,7 @@ class PreselectConfig:
         rows: K, the most rows kept.
         sigma: noise std in units of the count sensitivity (1).
         threshold: τ in count units; or ``threshold_sigmas`` c: τ = c·sigma (neither: τ = sigma).
+        threshold_sigmas: c, for τ = c·sigma (instead of ``threshold``).
         table_rows: optional per-table caps [K_1, ...] in the model's table order (CBOW untied: input, output),
             summing to ``rows``: the K_t largest noisy counts of each table (post-processing of the same noisy
             counts; a public split). null: the K largest over all rows pooled.
@@ -107,6 +109,7 @@ class ExponentialSelectionConfig:
 
     Args:
         k: rows selected per step; or ``gamma``: the fraction of all rows (k = max(1, round(gamma * R))).
+        gamma: the fraction of all R rows selected per step (instead of ``k``).
         epsilon: epsilon'' of each pick.
         score_clip: S0; a row's score is min(||g_r||_2, S0) (``score: count``: min(n_r, S0)).
         method: ``auto`` (``brute`` below 4,096 rows or where R <= 4(rows touched + k), else ``sparse``), ``sparse``
@@ -152,8 +155,10 @@ class SparseVectorSelectionConfig:
             threshold noise, the rest to the query noise.
         threshold: T, in score units (scores are min(||g_r||, S0)).
         cutoff: c, the number of rows selected at most (each selected row ends a segment; charged c segments).
+        threshold_fraction: the share of ``epsilon`` spent on the threshold noise.
         score_clip: S0.
         release_values: also release u_r + Lap (NumericSparse) — costs ``epsilon_release`` per selected row.
+        epsilon_release: ε of each released value (with ``release_values``).
         method: ``sparse`` (O(rows touched + c): geometric skips over the untouched rows) or ``brute`` (O(R)
             reference); the same output law.
         score: ``norm`` or ``count`` (as for exponential).
@@ -190,7 +195,12 @@ class SparseVectorSelectionConfig:
 
 @dataclass(frozen=True)
 class UniformSelectionConfig:
-    """k rows uniformly at random (data-independent, free). k or gamma as for exponential."""
+    """k rows uniformly at random (data-independent, free). k or gamma as for exponential.
+
+    Args:
+        k: rows selected per step; or ``gamma``.
+        gamma: the fraction of all R rows selected per step (instead of ``k``).
+    """
 
     name: Literal["uniform"] = "uniform"
     selector: ClassVar[str] = "widedp.dp.selection.free:UniformSelector"
@@ -207,6 +217,11 @@ class RandomSparsificationConfig:
 
     The sparsification rate r(e) of epoch e (0-based, E epochs) is ``final_rate * e / (E - 1)`` with gradual
     cooling, ``final_rate`` from the first epoch without; a fraction 1 - r(e) of all rows is kept.
+
+    Args:
+        final_rate: r*, the fraction of rows dropped in the last epoch.
+        gradual_cooling: r(e) grows linearly from 0 to ``final_rate`` (true) or is ``final_rate`` from the first
+            epoch (false).
     """
 
     name: Literal["random_sparsification"] = "random_sparsification"
