@@ -143,26 +143,20 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a bad argument (2, one line on stderr)
         return e.code if isinstance(e.code, int) else 2
-    try:
-        tune_malloc()  # before the first large allocation (widedp.allocator)
-        return _run(args)
-    except ConfigError as e:
-        from widedp.distributed import ranks
+    from widedp.distributed import outcome, signals
 
-        if ranks.reports_errors():  # (on several processes rank 0 says it: the ranks raise the same error)
-            print(f"widedp: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("widedp: interrupted (nothing written is lost: a checkpoint and the spent-budget journal, where there "
-              "are any, are kept)", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # stdout closed early (`widedp epsilon ... | head`): stop quietly, as `yes | head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
-    except OSError as e:  # the machine's side: a read-only or full disk, a file where a folder should be, ...
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"widedp: error: {where}{e.strerror or e} (what was written before is kept)", file=sys.stderr)
-        return 1
+    with signals.handled():  # SIGINT / SIGTERM: one line, exit 130 / 143 (widedp.distributed.signals)
+        try:
+            tune_malloc()  # before the first large allocation (widedp.allocator)
+            return _run(args)
+        except BrokenPipeError:  # stdout closed early (`widedp epsilon ... | head`): stop quietly, as `yes | head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
+        except (Exception, KeyboardInterrupt) as e:  # bad input, the machine's errors, an interrupt: one line
+            end = outcome.ending(e, command=args.cmd)
+            if end is None:  # a bug: its traceback
+                raise
+            return outcome.report(end)
 
 
 def _run(args: argparse.Namespace) -> int:
