@@ -31,7 +31,7 @@ import yaml
 from tqdm import tqdm
 
 from widedp.config import Config
-from widedp.distributed import ranks
+from widedp.distributed import ranks, signals
 from widedp.errors import ConfigError
 from widedp.resources import set_threads
 from widedp.run import summary as run_summary
@@ -104,6 +104,7 @@ class RunState:
     elapsed: float = 0.0  # training seconds of the attempts before a resume
     best: dict[str, Any] = field(default_factory=dict)  # train.keep_best: epoch, valid_loss, model
     stopped_by_budget: bool = False
+    saved: int | None = None  # the step of the last checkpoint (None: none yet)
     t0: float = 0.0  # when this attempt's training began
     aside: float = 0.0  # seconds of evaluation and checkpoints since t0
     loss_acc: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # the interval's summed losses
@@ -114,7 +115,8 @@ class RunState:
     @classmethod
     def resumed(cls, ckpt: dict[str, Any]) -> RunState:
         """The state a checkpoint saved."""
-        return cls(step=ckpt["step"], history=ckpt["history"], elapsed=ckpt["elapsed"], best=ckpt.get("best", {}))
+        return cls(step=ckpt["step"], history=ckpt["history"], elapsed=ckpt["elapsed"], best=ckpt.get("best", {}),
+                   saved=ckpt["step"])
 
     def training_seconds(self) -> float:
         """Training time so far, this attempt's and the earlier ones': without evaluation and checkpoints."""
@@ -150,8 +152,10 @@ def run(cfg: Config, task: Task, out: Path, *, resume: bool, progress: bool | st
     if ckpt is None:
         loop.log_start(task)
     setup_s = time.perf_counter() - t_setup
-    wall = loop.train(progress=progress)
-    loop.finish()
+    with signals.noting(lambda: signals.Position(out, step=state.step, total=trainer.total, checkpoint=state.saved,
+                                                 world=ranks.world())):  # what an interrupt's line says
+        wall = loop.train(progress=progress)
+        loop.finish()
     return loop.summarize(task, built, wall=wall, setup_s=setup_s)
 
 
@@ -229,6 +233,7 @@ class _Loop:
                  **trainer.state_dict()}
         if self.writer:
             save_checkpoint(self.out, state)
+        s.saved = s.step
         trainer.prune_private(s.step)
 
     def log_start(self, task: Task) -> None:
