@@ -197,8 +197,8 @@ class DataConfig(TokenFilter):
 
     @staticmethod
     def hash_view(d: dict[str, Any]) -> dict[str, Any]:
-        """``d`` (this section as a dict) without the issue-11 keys left at their defaults, so that runs recorded
-        before those keys existed keep their config hash (resume, ``widedp compare``'s reuse)."""
+        """``d`` (this section as a dict) without the privacy-unit, vocabulary and pool keys left at their defaults,
+        so that runs recorded before those keys existed keep their config hash (resume, ``widedp compare``'s reuse)."""
         defaults = {"privacy_unit": "pair", "max_samples_per_unit": 32, "vocabulary": "private_top", "min_count": 1,
                     "vocab_dp": dataclasses.asdict(VocabDPConfig()), "negatives_pool": 0}
         return {k: v for k, v in d.items() if not (k in defaults and v == defaults[k])}
