@@ -13,6 +13,7 @@
     widedp compare SWEEP.yaml --out DIR --overwrite            rerun the runs whose config changed
     widedp compare SWEEP.yaml --out DIR --keep-going           skip (and report) runs whose config fails
     widedp audit CONFIG --canaries M --out DIR [--per-step]    one-run empirical lower bound on ε (widedp.eval.audit)
+    widedp configs [NAME]                                      the example configs shipped with widedp (or one)
 
 Bad input (arguments, config keys, values, files) gives one line on stderr and exit code 2; a new run that fails
 that way leaves no run directory behind (``widedp.run.rundir``). glibc malloc is tuned for large batches first
@@ -61,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--nproc", type=int, metavar="N",
                    help="train on N local processes, the embedding tables row-sharded across them (as torchrun "
                         "--standalone --nproc_per_node=N -m widedp train ...); resume on the same N")
+    s = sub.add_parser("configs", help="list the example configs shipped with widedp, or print one")
+    s.add_argument("name", nargs="?", help="a config's name (as listed): print it")
     e = sub.add_parser("epsilon", help="print the privacy a config would spend (JSON), without training")
     e.add_argument("config")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -227,6 +230,14 @@ def _epsilon(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configs(args: argparse.Namespace) -> int:
+    """``widedp configs``: the shipped configs' folder and one line on each, or one config's text."""
+    from widedp.commands.configs import listing, show
+
+    print(listing() if args.name is None else show(args.name), end="\n" if args.name is None else "")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     """``widedp export``: write a run's release; prints its folder."""
     from widedp.commands.export import export_release
@@ -373,7 +384,7 @@ def _canary(args: argparse.Namespace) -> int:
 #: the subcommands: name -> the function that runs it (its exit status)
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "epsilon": _epsilon, "export": _export, "canary": _canary, "audit": _audit, "compare": _compare,
-    "eval": _eval,
+    "eval": _eval, "configs": _configs,
 }
 
 
