@@ -30,6 +30,7 @@ from widedp.extras import EXTRAS, INSTALL, MissingExtraError, needs, pyplot
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED = {"widedp.models": "models", "widedp.data_prep": "data_prep", "widedp.eval": "eval"}
+DATA_ONLY = {"widedp.configs": "configs"}  # a folder of package data (no __init__.py): the example configs
 
 
 def _listed_packages() -> set[str]:
@@ -53,7 +54,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     keep = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for folder in ("widedp", *SERVED.values()):
+    for folder in ("widedp", *SERVED.values(), *DATA_ONLY.values()):
         shutil.copytree(ROOT / folder, src / folder, ignore=keep)
     out = tmp_path_factory.mktemp("dist")
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
@@ -69,13 +70,15 @@ def test_wheel_holds_every_package_and_no_top_level_strays(wheel: Path) -> None:
     tops = {n.split("/")[0] for n in names}
     assert tops == {"widedp", f"widedp-{widedp.__version__}.dist-info"}, tops  # no models/, eval/, data_prep/
     inits = {n.rsplit("/", 1)[0].replace("/", ".") for n in names if n.endswith("/__init__.py")}
-    assert inits == _listed_packages()
-    for package in _listed_packages():  # every module of every package, from its folder on disk
+    assert inits == _listed_packages() - set(DATA_ONLY)
+    for package in _listed_packages() - set(DATA_ONLY):  # every module of every package, from its folder on disk
         on_disk = {p.name for p in _folder(package).glob("*.py")}
         in_wheel = {n.rsplit("/", 1)[1] for n in names if n.rsplit("/", 1)[0] == package.replace(".", "/")
                     and n.endswith(".py")}
         assert in_wheel == on_disk, package
     assert {"widedp/native/fused.cpp", "widedp/native/svt.cpp"} <= set(names)  # compiled at first use
+    assert {n for n in names if n.startswith("widedp/configs/")} == \
+        {f"widedp/configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml")}
 
 
 def test_wheel_metadata_version_entry_point_and_extras(wheel: Path) -> None:
@@ -90,6 +93,46 @@ def test_wheel_metadata_version_entry_point_and_extras(wheel: Path) -> None:
     assert "widedp = widedp.cli:main" in z.read(f"{info}/entry_points.txt").decode()
 
 
+#: runs the CLI of the copy of widedp installed in sys.argv[1] (not this checkout), prints where it came from
+INSTALLED = """
+import contextlib, io, json, sys
+sys.path.insert(0, sys.argv[1])
+import widedp
+from widedp.cli import main
+outs = []
+for argv in json.loads(sys.argv[2]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(argv)
+    outs.append([rc, out.getvalue()])
+print(json.dumps({"file": widedp.__file__, "runs": outs}))
+"""
+
+
+def test_installed_wheel_lists_and_runs_its_example_configs(wheel: Path, tmp_path: Path) -> None:
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                        str(target), "--disable-pip-version-check", str(wheel)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    shipped = target / "widedp" / "configs"
+    runs = [["configs"], ["configs", "module_example"], ["epsilon", str(shipped / "module_example.yaml")],
+            ["configs", "no_such_config"]]
+    r = subprocess.run([sys.executable, "-c", INSTALLED, str(target), json.dumps(runs)], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert Path(got["file"]).parent == target / "widedp"
+    (rc1, listing), (rc2, text), (rc3, report), (rc4, _) = got["runs"]
+    assert (rc1, rc2, rc3, rc4) == (0, 0, 0, 2)
+    names = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+    assert listing.splitlines()[0] == f"{len(names)} example configs in {shipped}"
+    assert [line.split()[0] for line in listing.splitlines()[2:]] == names
+    assert text == (ROOT / "configs" / "module_example.yaml").read_text(encoding="utf-8")
+    assert json.loads(report)["epsilon"] > 0
+    assert "widedp: error: configs: no shipped config named 'no_such_config' (widedp configs lists them)" in r.stderr
+
+
 def test_every_package_folder_is_listed() -> None:
     """The setuptools list against the folders on disk (fast; the wheel tests above build it)."""
     found = {"widedp." + p.parent.relative_to(ROOT / "widedp").as_posix().replace("/", ".")
@@ -97,7 +140,7 @@ def test_every_package_folder_is_listed() -> None:
     for package, folder in SERVED.items():
         found |= {package} | {f"{package}." + p.parent.relative_to(ROOT / folder).as_posix().replace("/", ".")
                               for p in (ROOT / folder).rglob("*/__init__.py")}
-    assert found | {"widedp"} == _listed_packages()
+    assert found | {"widedp"} | set(DATA_ONLY) == _listed_packages()
 
 
 def test_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
