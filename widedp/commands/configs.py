@@ -29,7 +29,7 @@ def describe(path: Path) -> str:
     lines = path.read_text(encoding="utf-8").splitlines()
     first = next((x.lstrip("#").strip() for x in lines if x.startswith("#") and x.lstrip("#").strip()), "")
     sweep = any(x.startswith("runs:") for x in lines)
-    return ("[sweep: widedp compare] " if sweep else "") + first
+    return " ".join(x for x in ("[sweep: widedp compare]" if sweep else "", first) if x)
 
 
 def listing() -> str:
