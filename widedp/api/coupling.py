@@ -159,13 +159,13 @@ def check_replay(actual: PerSampleRows, reference: PerSampleRows, *, what: str, 
 
 
 def replayed_rows(capture: Capture, layout: Layout, loss_fn: Callable[[Any], Tensor], batch: Any,
-                  rng: dict[str, Any]) -> PerSampleRows:
+                  rng: dict[str, Any], *, reduce: Callable[[Tensor], Tensor] | None = None) -> PerSampleRows:
     """``loss_fn``'s per-sample gradients on ``batch`` in the model's own modes, from the random state ``rng``
     (``random_state``); recorded calls, gradients and the current random state left as they were."""
     with _preserved(capture, layout):
         _set_random_state(rng)
         with torch.enable_grad():
-            return grads_of(capture, layout, loss_fn, batch)[1]
+            return grads_of(capture, layout, loss_fn, batch, reduce=reduce)[1]
 
 
 def random_state(device: torch.device) -> dict[str, Any]:
@@ -257,7 +257,8 @@ def _norms(g: PerSampleRows) -> Tensor:
 @contextmanager
 def _preserved(capture: Capture, layout: Layout) -> Iterator[None]:
     """Run a check without disturbing the step it precedes: recorded calls, gradients, the random states."""
-    records, grads = list(capture.records), [(p, p.grad) for _, p in layout.dense]
+    # (copies: DDP writes later backwards' gradients into the same bucket storage a .grad may view)
+    records, grads = list(capture.records), [(p, None if p.grad is None else p.grad.clone()) for _, p in layout.dense]
     devices = sorted({p.device.index or 0 for _, p in layout.dense if p.is_cuda} |
                      {t.weight.device.index or 0 for t in layout.tables if t.weight.is_cuda})
     py, npy = random.getstate(), np.random.get_state()  # noqa: NPY002 (the user's global state)
@@ -303,8 +304,9 @@ class FirstStepChecks:
 
     def __init__(self, capture: Capture, layout: Layout, *, n: int, fetch_items: Callable[[list[int]], Any],
                  collate: Callable[[list[Any]], Any], fetch: Callable[[list[int]], Any], batched: bool,
-                 enabled: bool) -> None:
-        self.capture, self.layout, self.n, self.enabled = capture, layout, n, enabled
+                 enabled: bool, reduce: Callable[[Tensor], Tensor] | None = None) -> None:
+        """``reduce``: as ``widedp.api.per_sample.per_sample_rows``'s (a DMP model's DDP-averaged gradients)."""
+        self.capture, self.layout, self.n, self.enabled, self.reduce = capture, layout, n, enabled, reduce
         self._fetch_items, self._collate, self._fetch, self._batched = fetch_items, collate, fetch, batched
         self._versions: list[tuple[Tensor, int]] = []
         self.coupling_done = self.replay_done = not enabled
@@ -341,8 +343,8 @@ class FirstStepChecks:
                                         "(e.g. x -= x.mean(0)): a change the checks cannot see, which may couple the "
                                         "samples; change it out of place, in collate_fn (checked), or per item in "
                                         f"__getitem__ ({OPT_OUT})")
-        check_replay(actual, replayed_rows(self.capture, self.layout, loss_fn, self._batch, rng), what=what,
-                     reduction=reduction)
+        check_replay(actual, replayed_rows(self.capture, self.layout, loss_fn, self._batch, rng, reduce=self.reduce),
+                     what=what, reduction=reduction)
         self.replay_done, self._batch, self._rng = True, None, None
 
     def _batch_maker(self, items: list[int]) -> Callable[[list[int]], Any]:

@@ -206,7 +206,6 @@ class PrivacyEngine(EngineState):
                               f"batch size), got {b!r}")
         self._dmp = DMPModel.of(model, n=n, batch_size=b) if is_dmp(model) else None
         if self._dmp is not None:
-            self._dmp.refuse_checks(check_independence)
             self._seeds = self._dmp.seeds_from_rank0(self._seeds)
         capture = Capture(model) if self._dmp is None else self._dmp.capture()
         try:
@@ -218,7 +217,8 @@ class PrivacyEngine(EngineState):
         loader = PoissonLoader(self, dataset, data_loader.collate_fn)
         self._checks = FirstStepChecks(capture, self.layout, n=n, fetch_items=loader.fetch_items,
                                        collate=data_loader.collate_fn, fetch=loader._fetch,
-                                       batched=hasattr(dataset, "__getitems__"), enabled=check_independence)
+                                       batched=hasattr(dataset, "__getitems__"), enabled=check_independence,
+                                       reduce=None if self._dmp is None else self._dmp.dense_total)
         return model, DPOptimizer(self, optimizer), loader
 
     def _setup(self, capture: Capture, optimizer: torch.optim.Optimizer, *, n: int, b: int, epochs: int,
@@ -322,11 +322,13 @@ class PrivacyEngine(EngineState):
             raise
         self._dp_update(g)
 
-    def _issue(self, step: int, items: list[int], batch: Any) -> None:
-        """The loader yields step ``step``'s Poisson ``batch`` of ``items``: the one batch the next step may use."""
+    def _issue(self, step: int, items: list[int], batch: Any, every: list[int] | None = None) -> None:
+        """The loader yields step ``step``'s Poisson ``batch`` of ``items``: the one batch the next step may use.
+        ``every``: all processes' items (DMP), whose first ones every rank checks alike (its passes are
+        collectives)."""
         self._issued = (step, len(items))
         assert self._checks is not None
-        self._checks.issue(items, batch, self._device)
+        self._checks.issue(items if every is None else every, batch, self._device)
 
     def _take_issued(self) -> int:
         """The size of the batch the loader issued for this step; refuses a step on any other batch (the

@@ -57,9 +57,9 @@ class PoissonLoader:
             if not idx:
                 e.empty_step()
                 continue
-            idx = e.local_items(idx)  # (several processes: this rank's part, possibly empty)
-            batch = self._fetch(idx)
-            e._issue(t, idx, batch)
+            mine = e.local_items(idx)  # (several processes: this rank's part, possibly empty)
+            batch = self._fetch(mine)
+            e._issue(t, mine, batch, every=idx if mine is not idx else None)
             yield batch
             if e.steps == t:
                 raise RuntimeError(f"step {t}: the previous Poisson batch was not used for a DP step; call "

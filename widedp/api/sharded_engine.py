@@ -67,12 +67,6 @@ class DMPModel:
         """The tables' places in the row space (``widedp.api.capture.Table``), in order."""
         return [t.table for t in self.tables]
 
-    def refuse_checks(self, check_independence: bool) -> None:
-        if check_independence:
-            raise ConfigError("make_private on a DistributedModelParallel model: the first-step checks that samples "
-                              "do not interact run on one process; run them on your unsharded model "
-                              "(check_independence=True), then pass check_independence=False here")
-
     def seeds_from_rank0(self, seeds: rng.RunSeeds) -> rng.RunSeeds:
         """Rank 0's seeds on every rank, sent over the process group (every rank samples the same batches)."""
         t = torch.tensor([seeds.sampling, seeds.noise, _MODES.index(seeds.mode)], dtype=torch.int64)
