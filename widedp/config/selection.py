@@ -37,21 +37,29 @@ class GaussianThresholdSelectionConfig:
         threshold_sigmas: c, for τ = c·sigma (instead of ``threshold``).
         max_rows: at most this many rows per step: when more pass, a uniformly random subset of them (a
             data-independent rule: post-processing, free). null = no cap.
+        public_head: H: the first H rows of each table (with a public vocabulary in frequency order, e.g.
+            ``data.vocabulary: wordfreq``: its H most frequent words) are selected every step for free and left out
+            of the contribution counts, which are then normalised over each unit's other rows; the threshold ranges
+            over the other rows (``max_rows`` caps those picks). null = no head.
     """
 
     name: Literal["gaussian_threshold"] = "gaussian_threshold"
     selector: ClassVar[str] = "widedp.dp.selection.gaussian:GaussianThresholdSelector"
     privacy_keys: ClassVar[tuple[str, ...]] = ("sigma",)  # a --set switch to it must give them (config.tools)
+    uses_tables: ClassVar[bool] = True  # its selector takes the model's table starts (make_selector)
     sigma: float = 5.0
     threshold: float | None = None
     threshold_sigmas: float | None = None
     max_rows: int | None = None
+    public_head: int | None = None
 
     def __post_init__(self) -> None:
         positive("dp.selection.sigma", self.sigma)
         _one_threshold("dp.selection", self.threshold, self.threshold_sigmas)
         if self.max_rows is not None:
             positive("dp.selection.max_rows", self.max_rows)
+        if self.public_head is not None:
+            positive("dp.selection.public_head", self.public_head)
 
     @property
     def tau(self) -> float:
@@ -212,6 +220,25 @@ class UniformSelectionConfig:
 
 
 @dataclass(frozen=True)
+class PublicTopSelectionConfig:
+    """The first ``rows_per_table`` rows of each table, every step: data-independent, free. With a public
+    vocabulary in frequency order (``data.vocabulary: wordfreq``; ``file:PATH``: the list's order) these are its
+    most frequent words; the step is DP-SGD on them and the other rows never change (``widedp.dp.selection.public``).
+
+    Args:
+        rows_per_table: H, the head rows of each table (all of a smaller table).
+    """
+
+    name: Literal["public_top"] = "public_top"
+    selector: ClassVar[str] = "widedp.dp.selection.public:PublicTopSelector"
+    uses_tables: ClassVar[bool] = True
+    rows_per_table: int = 1000
+
+    def __post_init__(self) -> None:
+        positive("dp.selection.rows_per_table", self.rows_per_table)
+
+
+@dataclass(frozen=True)
 class RandomSparsificationConfig:
     """Random sparsification (Zhu & Blaschko): one random row mask per epoch, data-independent (free).
 
@@ -260,7 +287,9 @@ class SelectionConfig(Protocol):
     """What every ``dp.selection`` class has: its ``name`` and ``selector``, the import path of its selector class
     (whose ``from_config(cfg, num_rows=R)`` builds it). A new mechanism is its selector file, its config class and
     one line in ``SELECTIONS``. A class with privacy parameters names them in ``privacy_keys`` (a ClassVar; none
-    when absent): ``--set dp.selection.name=`` switching to it must give them (``widedp.config.tools``)."""
+    when absent): ``--set dp.selection.name=`` switching to it must give them (``widedp.config.tools``). A class
+    whose selector needs the model's table layout sets ``uses_tables`` (a ClassVar): its ``from_config`` then also
+    takes ``table_starts``."""
 
     name: str
     selector: ClassVar[str]
@@ -273,4 +302,5 @@ SELECTIONS: dict[str, type] = {
     "random_sparsification": RandomSparsificationConfig,
     "all": AllRowsConfig,
     "gaussian_threshold": GaussianThresholdSelectionConfig,
+    "public_top": PublicTopSelectionConfig,
 }

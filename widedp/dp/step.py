@@ -12,6 +12,7 @@ from widedp.dp.layout import RowLayout, SingleProcess
 from widedp.dp.noise import GRID_SLACK, sensitivity
 from widedp.dp.rowgrads import PerSampleRows, SparseRows
 from widedp.dp.selection import SelectionContext, Selector
+from widedp.dp.selection.public import with_selector_rows
 from widedp.dp.selection.scores import selection_scores
 from widedp.dp.spend import DiscreteGaussianSpend, GaussianSpend, StepSpend
 
@@ -112,7 +113,9 @@ def dp_step(
     ``public_rows`` [P] sorted unique selectable ids chosen without looking at the batch (``data.negatives_pool``'s
     pool): selected this step besides the mechanism's picks, for free (their inclusion does not depend on the
     batch), with the same clip and noise; the scores see only the other rows (a sample's contribution is
-    normalised over its non-public rows), as if the public ones were untouched. None = no public rows.
+    normalised over its non-public rows), as if the public ones were untouched. None = no public rows. A selector
+    with a public head (``selector.public_rows``: ``public_top``, ``gaussian_threshold``'s ``public_head``) adds
+    its head to them.
 
     ``noise``: ``gaussian`` (Δ̂ + torch's N(0, (σΔ₂)²) draws) | ``secure`` (``widedp.dp.noise.snapped_release``: Δ̂
     rounded onto a power-of-two grid plus discrete Gaussian noise of the same std, exact multiples of the grid, one
@@ -157,7 +160,8 @@ def _select(g: PerSampleRows, touched: Tensor, ghat: Tensor, *, selector: Select
             generator: torch.Generator, layout: RowLayout, selectable: int, public_rows: Tensor | None,
             clip1: float, batch_size: float) -> Tensor:
     """The selected selectable rows [k] (the mechanism's picks, then the public rows), from the selectable touched
-    rows [U] and their ĝ [U, D] (``dp_step``)."""
+    rows [U] and their ĝ [U, D] (``dp_step``). The selector's own public rows (a public head) join ``public_rows``."""
+    public_rows = with_selector_rows(selector, public_rows, selectable_rows=selectable, device=touched.device)
     public = public_rows is not None and public_rows.numel() > 0
     if public:
         private = (~torch.isin(touched, public_rows)).nonzero().squeeze(1)  # (one host sync for both)

@@ -15,6 +15,9 @@ rows among the ``selectable_rows`` it is handed (the model's R rows less those s
   rows, false positives drawn exactly in O(expected count); a Gaussian mechanism folded into the step's noise.
 - ``UniformSelector``, ``RandomSparsificationSelector``, ``AllRowsSelector`` (``widedp.dp.selection.free``):
   data-independent, free.
+- ``PublicTopSelector`` (``widedp.dp.selection.public``): the first H rows of each table (a public vocabulary's
+  most frequent words) every step, data-independent, free; ``gaussian_threshold``'s ``public_head`` adds the same
+  head to its picks. Both hand the head to ``dp_step`` as public rows (left out of the scores).
 
 This module is the factory (``make_selector``: the config class names its selector, whose ``from_config`` builds it)
 and re-exports the public names.
@@ -23,12 +26,14 @@ and re-exports the public names.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 
 from widedp.config import SelectionConfig
 from widedp.dp.selection.base import ScoreKind, SelectionContext, Selector, member, sample_distinct
 from widedp.dp.selection.exponential import ExponentialSelector, gumbel_topk, gumbel_topk_sparse
 from widedp.dp.selection.free import AllRowsSelector, RandomSparsificationSelector, UniformSelector
 from widedp.dp.selection.gaussian import GaussianThresholdSelector
+from widedp.dp.selection.public import PublicTopSelector, head_rows
 from widedp.dp.selection.svt import SparseVectorSelector
 from widedp.errors import ConfigError
 
@@ -36,6 +41,7 @@ __all__ = [
     "AllRowsSelector",
     "ExponentialSelector",
     "GaussianThresholdSelector",
+    "PublicTopSelector",
     "RandomSparsificationSelector",
     "ScoreKind",
     "SelectionContext",
@@ -44,18 +50,22 @@ __all__ = [
     "UniformSelector",
     "gumbel_topk",
     "gumbel_topk_sparse",
+    "head_rows",
     "make_selector",
     "member",
     "sample_distinct",
 ]
 
 
-def make_selector(cfg: SelectionConfig, *, num_rows: int) -> Selector:
+def make_selector(cfg: SelectionConfig, *, num_rows: int, table_starts: Sequence[int] | None = None) -> Selector:
     """The selector a ``dp.selection`` config describes; ``num_rows`` is the R that ``gamma`` is a fraction of and
-    that ``k`` may not exceed."""
+    that ``k`` may not exceed; ``table_starts``: the model's tables' first global rows (``model.row_tables()``),
+    for the selectors that read them (``uses_tables``: a public head); without them such a selector spends as
+    usual but refuses to select."""
     path = getattr(cfg, "selector", None)
     if not isinstance(path, str) or ":" not in path:
         raise ConfigError(f"dp.selection.name: unknown selection {getattr(cfg, 'name', cfg)!r}")
     module, name = path.split(":")
-    selector: Selector = getattr(importlib.import_module(module), name).from_config(cfg, num_rows=num_rows)
+    extra = {"table_starts": table_starts} if getattr(cfg, "uses_tables", False) else {}
+    selector: Selector = getattr(importlib.import_module(module), name).from_config(cfg, num_rows=num_rows, **extra)
     return selector

@@ -16,6 +16,7 @@ m = R − U untouched rows whose size is Binomial(m, p_τ): draw the size, then 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from widedp.dp.noise import gaussian_noise
 from widedp.dp.selection.base import ScoreKind, SelectionContext, sample_distinct
+from widedp.dp.selection.public import PublicHead
 from widedp.dp.selection.scores import CONTRIBUTION_SENSITIVITY
 from widedp.dp.spend import GaussianSelectionSpend, Spend
 
@@ -81,28 +83,53 @@ class GaussianThresholdSelector:
     """Rows whose contribution count plus N(0, (σ_sel·Δ)²) exceeds τ (Δ = 1, the ℓ2 sensitivity of the counts);
     charged ``GaussianSelectionSpend(σ_sel)``. ``max_rows``: when more rows pass, a uniformly random subset of
     them (data-independent given the passing set: post-processing, free). Returns touched hits, then false
-    positives (the order carries no information beyond the set: false positives are random ids)."""
+    positives (the order carries no information beyond the set: false positives are random ids).
+
+    ``head`` (``public_head: H``, ``widedp.dp.selection.public``): the first H rows of each table are selected every
+    step for free (``public_rows``; ``dp_step`` leaves them out of the scores, so each unit's contribution is
+    normalised over its other rows: still norm 1, sensitivity 1) and the threshold ranges over the other rows only
+    (a head row is never a hit or a false positive, so ``max_rows`` caps the picks outside the head)."""
 
     sigma: float
     threshold: float
     max_rows: int | None = None
+    head: PublicHead | None = None
     score_kind: ScoreKind = "contribution"
     score_clip: float | None = None  # contribution counts are not clipped: their ℓ2 sensitivity is 1
 
     @classmethod
-    def from_config(cls, cfg: Any, *, num_rows: int) -> GaussianThresholdSelector:
+    def from_config(cls, cfg: Any, *, num_rows: int, table_starts: Sequence[int] | None = None
+                    ) -> GaussianThresholdSelector:
         """From ``GaussianThresholdSelectionConfig`` (τ in count units)."""
-        return cls(sigma=cfg.sigma, threshold=cfg.tau, max_rows=cfg.max_rows)
+        head = (None if cfg.public_head is None
+                else PublicHead(cfg.public_head, None if table_starts is None else tuple(table_starts)))
+        return cls(sigma=cfg.sigma, threshold=cfg.tau, max_rows=cfg.max_rows, head=head)
 
     def spend(self) -> Spend:
         return GaussianSelectionSpend(noise_multiplier=self.sigma, sensitivity=CONTRIBUTION_SENSITIVITY)
 
+    def public_rows(self, *, selectable_rows: int, device: torch.device | str) -> Tensor | None:
+        """[P] the head (selected every step without the data), or None without ``public_head``."""
+        return None if self.head is None else self.head.rows(selectable_rows=selectable_rows, device=device)
+
     def select(self, touched: Tensor, scores: Tensor, *, selectable_rows: int, score_sensitivity: float,
                ctx: SelectionContext, generator: torch.Generator) -> Tensor:
+        head = self.public_rows(selectable_rows=selectable_rows, device=touched.device)
+        if head is not None:  # head rows: "touched" with count -inf, so never a hit and never a false positive
+            touched, scores = _with_head(touched, scores, head)
         hits, _, fp = threshold_rows(touched, scores, num_rows=selectable_rows, std=self.sigma * score_sensitivity,
                                      threshold=self.threshold, generator=generator)
         sel = torch.cat([hits, fp])
         if self.max_rows is not None and sel.numel() > self.max_rows:
             keep = torch.randperm(sel.numel(), generator=generator, device=sel.device)[: self.max_rows]
             sel = sel.index_select(0, keep)
-        return sel
+        return sel if head is None else torch.cat([sel, head])
+
+
+def _with_head(touched: Tensor, scores: Tensor, head: Tensor) -> tuple[Tensor, Tensor]:
+    """[U'] sorted ids: ``touched`` outside ``head`` with their ``scores``, and ``head`` with score -inf."""
+    out = ~torch.isin(touched, head)
+    ids = torch.cat([touched[out], head])
+    vals = torch.cat([scores[out], torch.full(head.shape, -math.inf, dtype=scores.dtype, device=scores.device)])
+    ids, order = torch.sort(ids)
+    return ids, vals.index_select(0, order)

@@ -123,6 +123,9 @@ class PreselectedSelector:
 
 def preselected(base: Selector, rows: Tensor) -> PreselectedSelector:
     """``base`` restricted to the pre-selected ``rows`` (sorted ids); refuses an empty set or k > K picks."""
+    if getattr(base, "head", None) is not None:
+        raise ConfigError("dp.preselect: not with a public head (dp.selection public_top or public_head): the head "
+                          "would be selected outside the pre-selected rows")
     if rows.numel() == 0:
         raise ConfigError("dp.preselect: no row passed the threshold (lower dp.preselect.threshold or sigma)")
     k = getattr(base, "k", None)

@@ -21,6 +21,7 @@ from widedp.dp import rng, units
 from widedp.dp.layout import RowLayout, SingleProcess, check_options
 from widedp.dp.sampling import PoissonSampler
 from widedp.dp.selection import SelectionContext, make_selector
+from widedp.dp.selection.public import table_starts
 from widedp.dp.step import dp_step
 from widedp.errors import ConfigError
 from widedp.run import preselect_setup
@@ -63,7 +64,8 @@ class SparseDPTrainer(PrivateTrainer):
         self.pre = preselect_setup.setup(cfg, self.out, model=self.module, split=self._split, grouped=self.grouped,
                                          noise_seed=self.seeds.noise, resume=self.resumed)  # kept in RUN/private/
         self.selector = preselect_setup.restrict_selector(
-            make_selector(self.dp.selection, num_rows=self.module.num_rows), self.pre)
+            make_selector(self.dp.selection, num_rows=self.module.num_rows,
+                          table_starts=table_starts(self.module)), self.pre)
         self.optimizer = self._row_optimizer(task)
         self._sampler = self._make_sampler()
         self._stats = torch.zeros(5, device=self.device)
