@@ -46,6 +46,7 @@ def launch(nproc: int, argv: list[str]) -> int:
             return 0
         except SignalException as e:  # torch elastic forwarded it to the ranks and waited for them
             signum = int(e.sigval)
+            signals.mark(signum)
         except ChildFailedError as e:
             exits = {rank: f.exitcode for rank, f in e.failures.items()}
         finally:

@@ -54,6 +54,13 @@ def received() -> int | None:
     return _state["received"]
 
 
+def mark(signum: int) -> None:
+    """Record that the process got ``signum`` through another handler (torch elastic's in the launcher): a later
+    SIGINT / SIGTERM is then ignored too."""
+    if _state["received"] is None:
+        _state["received"] = signum
+
+
 def _handler(signum: int, frame: FrameType | None) -> None:
     if _state["received"] is not None:  # the first one is unwinding the run: let it finish (and say one line)
         return
@@ -71,15 +78,15 @@ def install() -> None:
 @contextmanager
 def handled() -> Iterator[None]:
     """Within the block, SIGINT and SIGTERM raise ``Interrupted`` (once); the previous handlers come back after it.
-    A signal ignored when the block begins (``nohup``, a background job) stays ignored. In a rank of widedp's
-    launcher, the rank also ends when the launcher dies (``follow_launcher``)."""
+    A signal ignored when the block begins (``nohup``, a background job), or handled outside Python, is left
+    alone. In a rank of widedp's launcher, the rank also ends when the launcher dies (``follow_launcher``)."""
     if threading.current_thread() is not threading.main_thread():  # (signals are the main thread's)
         yield
         return
     _state["received"] = None
     previous = {sig: signal.getsignal(sig) for sig in HANDLED}
     _installed.clear()
-    _installed.update({sig: h for sig, h in previous.items() if h is not signal.SIG_IGN})
+    _installed.update({sig: h for sig, h in previous.items() if h is not None and h is not signal.SIG_IGN})
     install()
     follow_launcher()
     try:
