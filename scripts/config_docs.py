@@ -128,12 +128,13 @@ def default_of(cls: type, f: dataclasses.Field) -> str:
 
 
 def _required(cls: type, name: str) -> bool:
+    """Whether ``cls()`` refuses the field ``name`` at its default (its error names ``SECTION.name:`` first)."""
     from widedp.errors import ConfigError
 
     try:
         cls()
     except ConfigError as e:
-        return f".{name}:" in str(e).split(" ")[0] + " "
+        return str(e).split(" ")[0].endswith(f".{name}:")
     return False
 
 
