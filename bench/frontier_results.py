@@ -35,6 +35,8 @@ def mechanism(cfg: dict[str, Any]) -> str:
         name = "exponential (count)"
     if sel == "random_sparsification" and not dp["selection"].get("gradual_cooling", True):
         name = "random_sparsification (no cooling)"
+    if sel == "gaussian_threshold" and dp["selection"].get("public_head"):
+        name = "gaussian_threshold + public head"
     if cfg["data"].get("negatives_pool"):
         name = f"{name} + negatives pool"
     return f"preselect + {name}" if dp.get("preselect") else name
@@ -55,6 +57,10 @@ def params(cfg: dict[str, Any]) -> str:
         out.append(f"c {s['cutoff']}, ε {s['epsilon']:.3g}")
     elif s["name"] == "random_sparsification":
         out.append(f"rate {s['final_rate']}")
+    elif s["name"] == "public_top":
+        out.append(f"H {s['rows_per_table']} per table")
+    if s.get("public_head"):
+        out.append(f"head H {s['public_head']} per table")
     if cfg["data"].get("negatives_pool"):
         out.append(f"pool M {cfg['data']['negatives_pool']}")
     if dp.get("accountant") == "rdp":
@@ -76,9 +82,12 @@ def cell(run: Path) -> dict[str, Any] | None:
     tied = cfg["model"].get("tied", False)
     vocab = len(json.loads((run / "vocab.json").read_text()))
     dp = s.get("dp") or {}
+    label = V_OF_PRESET.get(cfg["data"].get("preset"), f"V = {vocab}")
+    unit = cfg["data"].get("privacy_unit", "pair")
+    if unit != "pair":  # a unit other than the pair: its own panel (and the vocabulary it was run with)
+        label = f"{label}, per {unit}" + (f" ({cfg['data']['vocabulary']})" if cfg["data"].get("vocabulary") else "")
     return {
-        "cell": run.parent.name, "seed": run.name, "dir": str(run), "V": V_OF_PRESET.get(cfg["data"].get("preset"),
-                                                                                          f"V = {vocab}"),
+        "cell": run.parent.name, "seed": run.name, "dir": str(run), "V": label, "unit": unit,
         "vocab": vocab, "rows": vocab * (1 if tied else 2), "mechanism": mechanism(cfg), "params": params(cfg),
         "epsilon": dp.get("epsilon"), "target_epsilon": dp.get("target_epsilon"),
         "sigma": dp.get("noise_multiplier"), "valid_loss": s["valid_loss"], "test_loss": s["test_loss"],
@@ -148,6 +157,7 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
 
     best = best_by_validation(cells)
     rows_of = {c["V"]: c["rows"] for c in cells}
+    unit_of = {c["V"]: c.get("unit", "pair") for c in cells}
     vs = sorted({k[0] for k in best}, key=rows_of.get)
     mechs_all = sorted({k[1] for k in best if k[1] not in ("non-private", "DP-SGD")})
     cmap = plt.get_cmap("tab20")
@@ -174,7 +184,7 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
         if top is not None:
             ax.set_ylim(top=top, bottom=(np_[0]["test_loss"] - 0.1) if np_ else None)
         ax.set_title(f"{v}: best cell per mechanism (by validation)", fontsize=9)
-        ax.set_xlabel("ε (PLD, δ = 1e-5, add/remove one pair)")
+        ax.set_xlabel(f"ε (PLD, δ = 1e-5, add/remove one {unit_of[v]})")
         ax.set_ylabel("test loss (cells > DP-SGD + 0.8 off-scale)")
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=5, fontsize=8, frameon=False)
     fig.suptitle("CBOW on Brown: test loss vs ε (labels: share of rows noised per step)", fontsize=10)
