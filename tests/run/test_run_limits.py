@@ -86,3 +86,17 @@ def test_tables_larger_than_free_memory_are_refused_naming_model_dim(monkeypatch
     with pytest.raises(ConfigError, match=r"^model\.dim: 1,000,000 over 2,000 rows needs about 37\.3 GiB .* more than "
                                           r"the 1\.0 GiB free on cpu"):
         resources.check_tables_fit(2000, 1_000_000)
+
+
+@pytest.mark.slow
+def test_the_shipped_default_job_allows_its_delta_explicitly(brown_cache, capsys):
+    """δ = 1e-5 on the default job's 199,584 pairs is not below 1/N: refused (exit 2, one line) once the config's
+    explicit dp.allow_large_delta is taken away; a δ below 1/N needs no opt-out."""
+    cfg, cache = "configs/brown_cbow_sparse_exp.yaml", f"data.cache_dir={brown_cache}"
+    assert main(["epsilon", cfg, "--set", cache, "--set", "dp.allow_large_delta=false"]) == 2
+    assert capsys.readouterr().err == (
+        "widedp: error: dp.delta: 1e-05 is not below 1/N = 5.01e-06 (N = 199,584 training pairs): publishing each "
+        "pair in the clear with probability δ meets it (about 2.0 of them); lower it, or set dp.allow_large_delta: "
+        "true\n")
+    assert main(["epsilon", cfg, "--set", cache, "--set", "dp.allow_large_delta=false", "--set", "dp.delta=1e-6"]) == 0
+    assert json.loads(capsys.readouterr().out)["delta"] == 1e-6
