@@ -56,6 +56,10 @@ class ShardedCBOW(nn.Module):
         out = [(0, self.input)]
         return out if self.output is None else [*out, (self.shard.own_sizes[0], self.output)]
 
+    def table_keys(self) -> list[str]:
+        """The ``CBOW`` state-dict key of each of ``local_tables()`` (a checkpoint names a block by its table)."""
+        return ["input.weight"] if self.output is None else ["input.weight", "output.weight"]
+
     def _own(self, ids: Tensor, table: int) -> tuple[Tensor, Tensor]:
         """ids (any shape, -1 = padding) -> (own mask, local index clamped into the block)."""
         lo, hi = self.lo[table], self.hi[table]

@@ -22,6 +22,9 @@ Per-sample gradients (``ShardedRecsys.per_sample_row_grads``, then ``widedp.dp.s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,6 +36,7 @@ from widedp.dp.rowgrads import PerSampleRowsWithDense, coalesce
 from widedp.models.recsys import (
     RecsysBatch,
     RecsysModel,
+    binary_metrics,
     dense_layers,
     entry_grads,
     head_grads,
@@ -76,6 +80,11 @@ class ShardedRecsys(nn.Module):
         tabs = [self.ebc.embedding_bags[f"t_{f}"].weight for f in self.features]
         return [*zip(self.shard.own_offsets, tabs), (self.shard.num_own, self.dense)]
 
+    def table_keys(self) -> list[str]:
+        """The ``RecsysModel`` state-dict key of each of ``local_tables()`` (a checkpoint names a block by its
+        table)."""
+        return [*(f"ebc.embedding_bags.t_{f}.weight" for f in self.features), "dense"]
+
     def layers(self) -> list[tuple[Tensor, Tensor]]:
         return dense_layers(self.dense.detach().view(-1), self.shapes)
 
@@ -106,10 +115,32 @@ class ShardedRecsys(nn.Module):
         dist.all_reduce(part)
         return part
 
+    def logits(self, batch: RecsysBatch, *, zero_features: Sequence[str] = ()) -> Tensor:
+        """[B] logits (the same on every rank; a collective), as ``RecsysModel.logits``."""
+        e = self.pooled(batch.kjt)
+        if zero_features:
+            keep = torch.tensor([f not in zero_features for f in self.features], dtype=e.dtype, device=e.device)
+            e = e * keep.view(1, -1, 1)
+        return head_logits(e, self.layers(), self.pairs)
+
     def forward(self, batch: RecsysBatch) -> Tensor:
         """[B] per-sample loss (same on every rank)."""
-        logit = head_logits(self.pooled(batch.kjt), self.layers(), self.pairs)
-        return F.binary_cross_entropy_with_logits(logit, batch.labels, reduction="none")
+        return F.binary_cross_entropy_with_logits(self.logits(batch), batch.labels, reduction="none")
+
+    @torch.inference_mode()
+    def eval_metrics(self, split: Any, *, batch_size: int, max_samples: int = 0, zero_features: Sequence[str] = ()
+                     ) -> dict[str, float]:
+        """``RecsysModel.eval_metrics`` on every rank at once (a collective): the task's final metrics of the
+        sharded model, no table gathered."""
+        n = len(split) if not max_samples else min(max_samples, len(split))
+        logits, labels = [], []
+        for start in range(0, n, batch_size):
+            b = split.batch(torch.arange(start, min(n, start + batch_size), device=self.dense.device))
+            logits.append(self.logits(b, zero_features=zero_features).cpu())
+            labels.append(b.labels.cpu())
+        if not logits:
+            return binary_metrics(torch.zeros(0), torch.zeros(0))
+        return binary_metrics(torch.cat(logits), torch.cat(labels))
 
     @torch.no_grad()
     def per_sample_row_grads(self, batch: RecsysBatch) -> tuple[Tensor, PerSampleRowsWithDense]:

@@ -8,10 +8,14 @@ one process.
   tests/dp/test_distributed.py (exponential mechanism) and tests/dp/selection/test_selection_distributed.py
   (other selectors);
   nothing secret lies outside private/;
-- kill -9 of ONE rank, resume on a different N (one-line error, exit 2), resume on the same N: the final weights
-  are bit-equal to an uninterrupted 2-process run's, the journal is never lowered.
+- kill -9 of ONE rank, resume on one process (one-line error, exit 2), resume on the same N: the final weights and
+  optimizer state are bit-equal to an uninterrupted 2-process run's, the journal is never lowered;
+- kill -9 of a 2-process run, resume on 3, kill -9 again, resume on 2 (every sample in every step, sigma -> 0): the
+  tables and optimizer state load resharded, so the final weights equal an uninterrupted 1-process run's (1e-6);
+  each resume draws fresh seeds and says so in one line, and every step journaled before a kill stays charged.
 
-The cheap checks (refused keys, shard files, rank generator files) run in this process.
+The weights are compared through ``widedp export`` (a DCP checkpoint read one table at a time). The cheap checks
+(refused keys, rank generator files) run in this process.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from tiny_corpus import data_section
 
 from widedp import accounting
 from widedp.cli import main
+from widedp.commands.export import export_release
 from widedp.config import config_from_dict
 from widedp.distributed import ranks, shards
 from widedp.dp import rng
@@ -96,7 +101,20 @@ def _finish(proc: subprocess.Popen) -> str:
 
 
 def _model(run: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoint.pt", weights_only=True)["model"]
+    """The run's final weights, as ``widedp export --format torch`` releases them."""
+    out = run.parent / f"{run.name}-release"
+    export_release(run, out, fmt="torch", overwrite=True)
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def _checkpoint(run: Path) -> dict:
+    return torch.load(run / "checkpoint.pt", weights_only=True)
+
+
+def _dcp_tensors(run: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the run's DCP checkpoint (weights and row optimizer state), whole."""
+    path = run / _checkpoint(run)["dcp"]
+    return {k: shards.read_tensor(path, k, spec) for k, spec in shards.tensor_specs(path).items()}
 
 
 def _summary(run: Path) -> dict:
@@ -127,9 +145,14 @@ def test_two_processes_equal_one_without_noise(tmp_path, task):
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6)
     _same_ledgers(one, two)
-    assert torch.load(two / "checkpoint.pt", weights_only=True)["world_size"] == 2
-    assert sorted(p.name for p in (two / "shards").iterdir()) == [f"rank{r}-{_summary(two)['steps']}.pt"
-                                                                   for r in (0, 1)]
+    if task == "recsys":  # the task's final metrics, computed collectively on the blocks
+        for k in ("valid_auc", "test_auc", "valid_ne"):
+            assert _summary(two)[k] == pytest.approx(_summary(one)[k], abs=1e-6), k
+    ckpt = _checkpoint(two)
+    assert ckpt["world_size"] == 2 and ckpt["model"] == {}  # no weights in checkpoint.pt: a DCP checkpoint
+    folders = [p for p in two.iterdir() if p.name.startswith(shards.PREFIX)]
+    assert [p.name for p in folders] == [ckpt["dcp"]] and ckpt["dcp"].startswith(f"dcp-{_summary(two)['steps']}")
+    assert sorted(p.name for p in folders[0].iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
 def _secret_patterns(seeds: rng.RunSeeds) -> list[bytes]:
@@ -179,18 +202,29 @@ def _journal_steps(run: Path) -> int:
     return accounting.Ledger.from_json(json.loads((run / "spent.json").read_text())).steps
 
 
-def _kill_rank1_after_a_checkpoint(cfg: Path, out: Path) -> int:
-    """Start a 2-process run of ``cfg`` into ``out``, kill -9 rank 1 right after its first checkpoint; the step."""
-    proc = _nproc(str(cfg), "--out", str(out))
-    deadline = time.time() + 120
-    while not (out / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+def _checkpoint_step(run: Path) -> int:
+    """The step of the run's checkpoint (-1: none yet); checkpoint.pt is replaced atomically."""
+    return _checkpoint(run)["step"] if (run / "checkpoint.pt").exists() else -1
+
+
+def _kill_after_a_checkpoint(out: Path, *args: str, n: int = 2, after: int = 0) -> tuple[int, str]:
+    """Start ``widedp train ARGS --nproc n`` (into ``out``), kill -9 its last rank right after its first checkpoint
+    past step ``after``; the step of the checkpoint it leaves, and what the run said on stderr."""
+    proc = _nproc(*args, n=n)
+    deadline = time.time() + 240
+    while _checkpoint_step(out) <= after and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     time.sleep(0.3)
-    victim = _rank_pid(proc.pid, 1)
+    victim = _rank_pid(proc.pid, n - 1)
     assert proc.poll() is None and victim is not None, "the run finished before it could be killed: make it longer"
     os.kill(victim, signal.SIGKILL)
     assert proc.wait(timeout=120) != 0
-    return torch.load(out / "checkpoint.pt", weights_only=True)["step"]
+    return _checkpoint_step(out), proc.stderr.read()
+
+
+def _kill_rank1_after_a_checkpoint(cfg: Path, out: Path) -> int:
+    """Start a 2-process run of ``cfg`` into ``out``, kill -9 rank 1 right after its first checkpoint; the step."""
+    return _kill_after_a_checkpoint(out, str(cfg), "--out", str(out))[0]
 
 
 @pytest.mark.slow
@@ -202,18 +236,11 @@ def test_kill_9_of_one_rank_then_resume_matches_uninterrupted_run(tmp_path, caps
     journal = _journal_steps(crashed)
     assert journal >= killed_at
 
-    for n in (1, 3):  # another number of processes: one line, exit 2, nothing touched
-        if n == 1:
-            assert main(["train", "--resume", str(crashed), "--nproc", "1", "--no-progress"]) == 2
-            err = capsys.readouterr().err
-        else:
-            p = _nproc("--resume", str(crashed), n=3)
-            err = p.communicate(timeout=120)[1]
-            assert p.returncode == 2
-        err = "\n".join(x for x in err.splitlines() if not x.startswith("widedp: warning: --nproc"))  # (2 cores)
-        assert err.startswith("widedp: error:") and len(err.strip().splitlines()) == 1, err
-        assert "trained on 2 process(es)" in err and "--nproc 2" in err
-    assert torch.load(crashed / "checkpoint.pt", weights_only=True)["step"] == killed_at
+    assert main(["train", "--resume", str(crashed), "--nproc", "1", "--no-progress"]) == 2  # one process: refused
+    err = capsys.readouterr().err
+    assert err.startswith("widedp: error:") and len(err.strip().splitlines()) == 1, err
+    assert "trained on 2 process(es)" in err and "2 or more" in err and "--nproc 2" in err
+    assert _checkpoint(crashed)["step"] == killed_at
 
     resume, seen = _nproc("--resume", str(crashed)), []
     while resume.poll() is None:
@@ -228,11 +255,10 @@ def test_kill_9_of_one_rank_then_resume_matches_uninterrupted_run(tmp_path, caps
     a, b = _model(ref), _model(crashed)
     for k in a:  # every rank replays the lost steps exactly (its generator states are in private/)
         assert torch.equal(a[k], b[k]), k
-    for r in (0, 1):
-        sa = torch.load(shards.shard_path(ref, step=300, rank=r), weights_only=True)
-        sb = torch.load(shards.shard_path(crashed, step=300, rank=r), weights_only=True)
-        for part in ("model", "optimizer"):
-            assert all(torch.equal(sa[part][k], sb[part][k]) for k in sa[part]), (r, part)
+    sa, sb = _dcp_tensors(ref), _dcp_tensors(crashed)
+    assert sa.keys() == sb.keys() and any(k.startswith("optim.") for k in sa)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
 
 
 def test_resume_without_generator_states_takes_fresh_seeds_on_every_rank(tmp_path):
@@ -253,6 +279,51 @@ def test_resume_without_generator_states_takes_fresh_seeds_on_every_rank(tmp_pat
     assert new.sampling != old.sampling and new.noise != old.noise and new.mode == "secure"
     assert _summary(crashed)["steps"] == 300
     assert _journal_steps(crashed) == journal + 300 - killed_at  # the lost steps [killed_at, journal) stay spent
+
+
+def _every_sample(tmp_path: Path, steps: int) -> Path:
+    """``steps`` steps of a CBOW over every training sample (q = 1: the batches are the same whatever the seeds),
+    selection ``all``, lazy Adam (per-row moments and step counts), a checkpoint every step. sigma = 1e-20: Adam
+    divides by sqrt(v) + eps, so on a row no sample moves the noise must stay far below eps for the weights not to
+    follow it."""
+    cfg = tmp_path / "every.yaml"
+    cfg.write_text(f"""
+{data_section(tmp_path)}
+model: {{dim: 8, tied: false}}
+train: {{epochs: {steps}, batch_size: 1000, optimizer: lazy_adam, lr: 0.01, log_every: 5, eval_max_samples: 50,
+        seed: 3}}
+dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0e-20, sampling_rate: 1.0, accountant: rdp, rng: reproducible,
+     selection: {{name: all}}}}
+""")
+    return cfg
+
+
+@pytest.mark.slow
+def test_resume_on_another_number_of_processes_reshards_tables_and_optimizer(tmp_path):
+    steps = 40
+    cfg = _every_sample(tmp_path, steps)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _one(cfg, ref)
+    k1, _ = _kill_after_a_checkpoint(run, str(cfg), "--out", str(run), n=2)
+    j1, seeds1 = _journal_steps(run), rng.load_seeds(run)
+    assert 0 < k1 < steps and j1 >= k1
+    k2, err = _kill_after_a_checkpoint(run, "--resume", str(run), n=3, after=k1)  # 2 -> 3
+    j2, seeds2 = _journal_steps(run), rng.load_seeds(run)
+    said = [x for x in err.splitlines() if "resumed on 3" in x]
+    assert len(said) == 1 and "trained on 2 processes" in said[0] and "drawn fresh" in said[0], err
+    assert k1 < k2 < steps and j2 >= j1 + k2 - k1 and seeds2 != seeds1  # the steps past k1 journaled stay charged
+    proc = _nproc("--resume", str(run), n=2)  # 3 -> 2
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    said = [x for x in err.splitlines() if "resumed on 2" in x]
+    assert len(said) == 1 and "trained on 3 processes" in said[0] and "drawn fresh" in said[0], err
+    assert rng.load_seeds(run) not in (seeds1, seeds2)
+    assert _summary(run)["steps"] == steps and _journal_steps(run) == j2 + steps - k2
+    assert {p.name for p in (run / rng.PRIVATE_DIR).iterdir()} == {"seeds.json", f"rng-{steps}-rank0.pt",
+                                                                   f"rng-{steps}-rank1.pt"}
+    a, b = _model(ref), _model(run)  # the tables and the lazy Adam state went through both reshardings
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6)
 
 
 def _cfg(**over) -> object:
@@ -283,20 +354,6 @@ def test_module_task_has_no_sharded_model():
 
     with pytest.raises(ConfigError, match="task: module has no sharded model"):
         shard_model("module", None, 0, 2)
-
-
-def test_shard_files_are_checked(tmp_path):
-    state = {"model": {"w": torch.ones(2, 3)}, "optimizer": {}}
-    shards.save_shard(tmp_path, state, step=7, rank=1, world=2)
-    doc, err = shards.load_shard(tmp_path, step=7, rank=1, world=2, device=torch.device("cpu"))
-    assert err is None and torch.equal(doc["model"]["w"], torch.ones(2, 3))
-    assert "missing" in shards.load_shard(tmp_path, step=7, rank=0, world=2, device=torch.device("cpu"))[1]
-    shards.shard_path(tmp_path, step=7, rank=0).write_bytes(b"not a checkpoint")
-    assert "cannot be loaded safely" in shards.load_shard(tmp_path, step=7, rank=0, world=2,
-                                                          device=torch.device("cpu"))[1]
-    shards.save_shard(tmp_path, state, step=9, rank=1, world=2)
-    shards.prune_shards(tmp_path, 9, rank=1)
-    assert sorted(p.name for p in (tmp_path / shards.SHARDS_DIR).iterdir()) == ["rank0-7.pt", "rank1-9.pt"]
 
 
 def test_rank_generator_states_are_kept_apart(tmp_path):

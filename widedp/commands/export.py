@@ -4,7 +4,7 @@ A run directory is private working state (secret seeds in ``private/``, non-priv
 ``metrics.jsonl`` / ``summary.json``, optimizer state in ``checkpoint.pt``). The release directory holds exactly:
 
     DIR/vectors.txt     (word2vec)  the CBOW input embeddings; gensim: KeyedVectors.load_word2vec_format(path)
-    DIR/model.pt        (torch)     the model's weights only (a state dict of tensors)
+    DIR/model.pt        (torch)     the model's weights only (a state dict of tensors, written one table at a time)
     DIR/vocab.json      (CBOW)      the vocabulary, row order
     DIR/ids.json        (recsys)    the raw id of every row of every released table (``widedp.tasks.recsys``)
     DIR/privacy.json                the privacy statement: ε, δ, unit, adjacency, accountant, what is not covered
@@ -17,12 +17,16 @@ statement says. Every export of a run that is not private says so, in privacy.js
 
 from __future__ import annotations
 
+import io
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from widedp.distributed import shards
 from widedp.errors import ConfigError
 from widedp.run import rundir
 from widedp.run.checkpoint import _atomic_write, load_checkpoint, read_json, write_json
@@ -46,18 +50,39 @@ def _statement(run_dir: Path) -> dict[str, Any]:
     return summary["privacy"]
 
 
-def _model_state(run_dir: Path) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class _Weights:
+    """The run's weights, one tensor at a time: ``specs`` key -> (shape, dtype), ``read(key)`` the tensor. A
+    one-process run's checkpoint.pt holds them all; a run on several processes keeps them in a DCP checkpoint
+    (``widedp.distributed.shards``), read one table at a time: the export never holds the whole model."""
+
+    specs: dict[str, tuple[torch.Size, torch.dtype]]
+    read: Callable[[str], torch.Tensor]
+
+
+def _weights(run_dir: Path) -> _Weights:
     ckpt = load_checkpoint(run_dir)
+    if isinstance(ckpt.get("dcp"), str):
+        path = run_dir / ckpt["dcp"]
+        try:
+            every = shards.tensor_specs(path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        specs = {k.removeprefix("model."): v for k, v in every.items() if k.startswith("model.")}
+        if not specs:
+            raise ConfigError(f"{path}: the checkpoint holds no model weights")
+        return _Weights(specs, lambda key: shards.read_tensor(path, f"model.{key}", specs[key]))
     state = ckpt.get("model") if "model" in ckpt else {k: v for k, v in ckpt.items() if k == "w"}
     if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"{run_dir}: the checkpoint holds no model weights")
-    return {k: v.detach().cpu() for k, v in state.items()}
+    state = {k: v.detach().cpu() for k, v in state.items()}
+    return _Weights({k: (v.shape, v.dtype) for k, v in state.items()}, state.__getitem__)
 
 
-def _word2vec_lines(run_dir: Path, vocab: list[str], state: dict[str, torch.Tensor]) -> str:
-    if "input.weight" not in state:
+def _word2vec_lines(run_dir: Path, vocab: list[str], weights: _Weights) -> str:
+    if "input.weight" not in weights.specs:
         raise ConfigError(f"{run_dir}: --format word2vec needs a CBOW run (no input.weight); use --format torch")
-    weight = state["input.weight"].to(torch.float32)  # the context (input) embeddings, word2vec's usual vectors
+    weight = weights.read("input.weight").to(torch.float32)  # the context (input) embeddings, word2vec's vectors
     if weight.shape[0] < len(vocab):
         raise ConfigError(f"{run_dir}: embedding table has {weight.shape[0]} rows for {len(vocab)} words")
     lines = [f"{len(vocab)} {weight.shape[1]}"]
@@ -66,8 +91,36 @@ def _word2vec_lines(run_dir: Path, vocab: list[str], state: dict[str, torch.Tens
     return "\n".join(lines) + "\n"
 
 
-def _recsys_release(run_dir: Path, state: dict[str, torch.Tensor], ids: Any
-                    ) -> tuple[dict[str, torch.Tensor], Any]:
+def _save_tables(f: Any, weights: _Weights) -> None:
+    """``torch.save({key: weights.read(key)}, f)`` holding one tensor at a time: torch's format (a zip of the pickled
+    dict, then one record per tensor) written as the pickle of shapes and dtypes alone (``skip_data``), then each
+    tensor read, written as its record and freed. ``torch.load`` (``weights_only``, ``mmap``) reads it as any."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in weights.specs.items()}
+    buf = io.BytesIO()
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(fake, buf)
+    buf.seek(0)
+    skeleton = torch._C.PyTorchFileReader(buf)
+    names = skeleton.get_all_records()
+    keys = list(weights.specs)  # torch numbers the records data/0, data/1, ... in the dict's order
+    writer = torch._C.PyTorchFileWriter(f, True, int(bytes(skeleton.get_record(".storage_alignment")).decode()))
+    for name in names:
+        if name in ("version", ".data/serialization_id"):  # (the writer's own, at its end)
+            continue
+        if name.startswith("data/"):
+            t = weights.read(keys[int(name.removeprefix("data/"))]).contiguous()
+            writer.write_record(name, t.untyped_storage(), t.untyped_storage().nbytes())
+            del t
+        else:
+            data = bytes(skeleton.get_record(name))
+            writer.write_record(name, data, len(data))
+    writer.write_end_of_file()
+
+
+def _recsys_release(run_dir: Path, state: dict[str, Any], ids: Any) -> tuple[dict[str, Any], Any]:
     """The weights and ids.json a recommender's release holds (``widedp.tasks.recsys.release_parts`` of the run's
     resolved config.yaml): without the tables its privacy unit keeps private."""
     import yaml
@@ -101,7 +154,7 @@ def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec", overwrite
     if not rundir.holds_run(run_dir):
         raise ConfigError(f"{run_dir}: not a widedp run directory (no config.yaml, checkpoint.pt or summary.json)")
     statement = _statement(run_dir)
-    state = _model_state(run_dir)
+    weights = _weights(run_dir)
     vocab_path = run_dir / "vocab.json"
     vocab = read_json(vocab_path) if vocab_path.is_file() else None
     if fmt == "word2vec" and vocab is None:
@@ -114,7 +167,8 @@ def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec", overwrite
             raise ConfigError(f"{run_dir}: no ids.json (trained by an older widedp: without the id -> row map the "
                               "weights cannot be used; re-run it)")
         ids = read_json(run_dir / "ids.json")
-        state, ids = _recsys_release(run_dir, state, ids)
+        specs, ids = _recsys_release(run_dir, weights.specs, ids)
+        weights = _Weights(specs, weights.read)
     out = out.resolve()
     _check_out(run_dir, out, fmt, overwrite=overwrite)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -122,10 +176,10 @@ def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec", overwrite
     tmp.mkdir(parents=True)
     try:
         if fmt == "word2vec":
-            text = _word2vec_lines(run_dir, vocab, state).encode()
+            text = _word2vec_lines(run_dir, vocab, weights).encode()
             _atomic_write(tmp / "vectors.txt", lambda f: f.write(text))
         else:
-            _atomic_write(tmp / "model.pt", lambda f: torch.save(state, f))
+            _atomic_write(tmp / "model.pt", lambda f: _save_tables(f, weights))
         if vocab is not None:
             write_json(tmp / "vocab.json", vocab)
         if ids is not None:

@@ -11,8 +11,8 @@ secret seeds and generator states that resume needs; mode 0700). The run directo
 metrics.jsonl, summary.json and loss.png hold non-private statistics of the training batches.
 
 On several processes (``widedp.distributed.ranks``) every rank runs this loop; the trainer's ``is_writer`` (rank 0)
-writes the run's files, the other ranks build into a scratch folder and write only their own shards and generator states
-(``widedp.distributed.shards``).
+writes the run's files, the other ranks build into a scratch folder and write only their part of the checkpoint and
+their generator states (``widedp.distributed.shards``).
 """
 
 from __future__ import annotations
@@ -166,9 +166,10 @@ def _resume_checkpoint(cfg: Config, out: Path, *, resume: bool, data: Any, devic
     ckpt = load_checkpoint(out, map_location=device) if resume else None
     if ckpt is not None and ckpt["config_hash"] != cfg.hash():
         raise ConfigError(f"{out}: checkpoint was written by a different config (hash {ckpt['config_hash']})")
-    if ckpt is not None and ckpt.get("world_size", 1) != ranks.world():
-        raise ConfigError(f"{out}: trained on {ckpt.get('world_size', 1)} process(es); resume it on as many "
-                          f"(widedp train --resume {out} --nproc {ckpt.get('world_size', 1)}), not {ranks.world()}")
+    was = ckpt.get("world_size", 1) if ckpt is not None else 1
+    if ckpt is not None and (was > 1) != (ranks.world() > 1):  # (a sharded checkpoint reshards to any N >= 2)
+        on = "one process (no --nproc)" if was == 1 else f"2 or more (widedp train --resume {out} --nproc {was})"
+        raise ConfigError(f"{out}: trained on {was} process(es); resume it on {on}, not {ranks.world()}")
     return ckpt
 
 
@@ -328,7 +329,7 @@ class _Loop:
         if rep.dp is not None:
             summary["dp"] = rep.dp
         trainer.eval_model()  # the task's model holds the final weights
-        final = task.finish(self.cfg, out, built) if writer else {}
+        final = task.finish(self.cfg, out, built)  # on every rank: a sharded model's evaluation is collective
         if final:
             summary.update(final)
             self.log({"kind": "eval", "step": s.step, **final})

@@ -14,10 +14,16 @@ single-process run's DP step:
 - noise: each selected row's noise is drawn once, by its owner, with the owner's own generator;
 - the ledger is the single process's (``PrivateTrainer``); rank 0 writes the journal and the run's files.
 
+Once the blocks are cut, the task's full model is emptied (its tables released): no rank holds a whole table while
+it trains, evaluates (collectively), checkpoints or runs the task's final metrics (collectively).
+
 Secrets: rank 0 draws (or, on resume, reads) the run's seeds (``widedp.dp.rng``) and sends them to the other ranks
 over the process group; each rank's generator is seeded from a secret derivation of the noise seed and its rank,
 the shared one from another; every rank saves its generators' states in RUN/private/ at checkpoints
-(``rng-STEP-rankR.pt``) and its shard in RUN/shards/ (``widedp.distributed.shards``).
+(``rng-STEP-rankR.pt``). The weights and the row optimizer's state go to a DCP checkpoint (``widedp.distributed.
+shards``: RUN/dcp-STEP/, each rank its blocks), so a run resumes on another number of processes, its tables and
+optimizer state resharded; its old per-rank random streams cannot carry over, so it then draws fresh secret
+randomness (rank 0's fresh seeds) and every step the journal recorded stays charged (``_resumed_ledger``).
 
 Refused (one-line errors naming the key): ``dp.engine: opacus``, privacy units other than one sample
 (``data.privacy_unit``), ``data.vocabulary: dp``, ``train.keep_best``, tasks without a sharded model (``module``),
@@ -27,13 +33,16 @@ refuses (``RowBlocks.refuses``: ``dp.preselect``; ``widedp.dp.layout.check_optio
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from widedp import accounting
 from widedp.config import Config
 from widedp.distributed import ranks, shards
 from widedp.dp import rng, units
@@ -97,15 +106,47 @@ def check_shardable(cfg: Config) -> None:
         raise ConfigError("train.keep_best: not available on several processes")
 
 
+class RankModel(nn.Module):
+    """The run's model as the loop sees it on a rank (``Trainer.module``): no weights of its own, so checkpoint.pt
+    holds none; they are in the DCP checkpoint the trainer writes."""
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> None:
+        if state:
+            raise ConfigError("checkpoint.pt holds a whole model (a one-process run's); resume it on one process")
+
+
+@torch.no_grad()
+def _release_tables(model: Any) -> None:
+    """Empty ``model``'s row tables in place (their rows now live in the ranks' blocks), whoever still refers to
+    it."""
+    for _, w in model.row_tables():
+        w.data = w.data.new_empty((0, *w.shape[1:]))
+
+
+def _warn_resharded(was: int, now: int, *, step: int, recharged: int) -> None:
+    """One line on stderr: a run resumed on another number of processes draws fresh randomness (``recharged``: the
+    steps journaled after the checkpoint, charged again)."""
+    what = (f"the {recharged:,} step(s) journaled after it (steps {step + 1:,}-{step + recharged:,}) are charged again "
+            "(conservative: the ledger counts them besides the steps the run trains again)" if recharged > 0
+            else "no step was journaled after it, so none is charged twice")
+    print(f"widedp: warning: trained on {was} processes, resumed on {now}: the tables and optimizer state are "
+          f"resharded, but each rank's generator states cannot carry over to the new row blocks, so the randomness "
+          f"after the checkpoint at step {step:,} is drawn fresh (new seeds); {what}", file=sys.stderr)
+
+
 class ShardedDPTrainer(SparseDPTrainer):
-    """``SparseDPTrainer`` over row-sharded tables (module docstring). ``module`` is the task's full model: rank 0's
-    receives every rank's blocks at each checkpoint (checkpoint.pt and ``widedp export`` hold the full model);
-    training and evaluation use ``sharded``."""
+    """``SparseDPTrainer`` over row-sharded tables (module docstring). ``module`` is a ``RankModel``; training,
+    evaluation and the task's final metrics use ``sharded``, this rank's blocks."""
 
     def __init__(self, cfg: Config, out: Path, *, device: torch.device, resumed: bool) -> None:
         check_shardable(cfg)
         self.rank, self.world = ranks.rank(), ranks.world()
         self.is_writer = self.rank == 0
+        self._named: str | None = None  # the DCP folder checkpoint.pt names
+        self._written: str | None = None  # the DCP folder of the checkpoint being written
         super().__init__(cfg, out, device=device, resumed=resumed)
 
     def _run_seeds(self, *, resumed: bool) -> tuple[rng.RunSeeds, bool]:
@@ -126,11 +167,14 @@ class ShardedDPTrainer(SparseDPTrainer):
         return rng.RunSeeds(sampling=sampling, noise=noise, mode=_MODES[mode]), bool(replayable)
 
     def setup(self, built: Built, task: Task) -> None:
-        self.sharded = shard_model(self.cfg.task, built.model, self.rank, self.world)
+        full = built.model
+        self.sharded = shard_model(self.cfg.task, full, self.rank, self.world)
         self.shared_gen = torch.Generator(device=self.device)
         self.row_layout = RowBlocks(self.sharded.shard, shared=self.shared_gen)
         super().setup(built, task)
-        self.grad_model = self.sharded  # this rank's rows
+        self.module = RankModel()
+        self._model = self.grad_model = built.model = self.sharded  # this rank's rows (the task's finish included)
+        _release_tables(full)
         self._seed_rank_generators()
 
     def _reseed(self) -> None:
@@ -153,39 +197,54 @@ class ShardedDPTrainer(SparseDPTrainer):
     def eval_model(self) -> Any:
         return self.sharded  # its forward is a collective: every rank evaluates
 
+    def _entries(self) -> dict[str, shards.Block]:
+        """This rank's part of a checkpoint: its table blocks (in place) and its row optimizer's state."""
+        s = self.sharded
+        tables = [(k, w) for k, (_, w) in zip(s.table_keys(), s.local_tables())]
+        return shards.blocks(tables, self.optimizer.state_dict(), s.shard)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"ledger": self.ledger.to_json(), "world_size": self.world}  # (the optimizer is in the shards)
+        return {"ledger": self.ledger.to_json(), "world_size": self.world, "dcp": self._written}
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
-        step = ckpt["step"]
-        doc, error = shards.load_shard(self.out, step=step, rank=self.rank, world=self.world, device=self.device)
-        ranks.agree(error)
-        try:
-            self.sharded.load_state_dict(doc["model"])
-            self.optimizer.load_state_dict(doc["optimizer"])
-            error = None
-        except (ConfigError, KeyError, RuntimeError) as e:
-            error = f"{shards.shard_path(self.out, step=step, rank=self.rank)}: does not fit this run ({e})"
-        ranks.agree(" ".join(error.split()) if error else None)
+        step, name = ckpt["step"], ckpt.get("dcp")
+        ranks.agree(shards.check(self.out, name))
+        entries = self._entries()
+        ranks.agree(shards.load(self.out, name, entries))
+        self.optimizer.load_state_dict({k.removeprefix("optim."): b.local for k, b in entries.items()
+                                        if k.startswith("optim.")})
+        self._named = name
+        was = int(ckpt.get("world_size", self.world))
+        replay = was == self.world and self._restore_generators(step)
+        if not replay and self.replayable:
+            self._restart_randomness(step)
+        lost = None
+        if not replay and was == self.world:
+            lost = (self._lost_state(step) if self._seeds_lost
+                    else f"{self.out / rng.PRIVATE_DIR}/rng-{step}-rank*.pt (of at least one rank)")
+        self.ledger = self._resumed_ledger(ckpt, replayable=replay, lost=lost)
+        if was != self.world and self.is_writer:
+            recharged = self.ledger.steps - accounting.Ledger.from_json(ckpt["ledger"]).steps
+            _warn_resharded(was, self.world, step=step, recharged=recharged)
+        dist.barrier()  # every rank has read the journal before rank 0 writes it again
+
+    def _restore_generators(self, step: int) -> bool:
+        """Every rank's generators set to their states at ``step`` (a collective); False (nothing restored) when a
+        rank has none: the lost steps cannot be replayed."""
         states, error = self._load_states(step)
         ranks.agree(error)  # a damaged file on any rank: every rank stops with its one line
         replay = torch.tensor([int(states is not None)], device=self.device)
         dist.all_reduce(replay, op=dist.ReduceOp.MIN)  # exact replay only when every rank has its states
-        if replay.item():
-            path = rng.state_path(self.out, step, rank=self.rank)
-            try:
-                rng.restore(self.noise_gen, states["noise"], path)
-                rng.restore(self.shared_gen, states["shared"], path)
-            except ConfigError as e:
-                error = str(e)
-            ranks.agree(error)
-        elif self.replayable:
-            self._restart_randomness(step)
-        lost = None if replay.item() else (
-            self._lost_state(step) if self._seeds_lost
-            else f"{self.out / rng.PRIVATE_DIR}/rng-{step}-rank*.pt (of at least one rank)")
-        self.ledger = self._resumed_ledger(ckpt, replayable=bool(replay.item()), lost=lost)
-        dist.barrier()  # every rank has read the journal before rank 0 writes it again
+        if not replay.item():
+            return False
+        path, error = rng.state_path(self.out, step, rank=self.rank), None
+        try:
+            rng.restore(self.noise_gen, states["noise"], path)
+            rng.restore(self.shared_gen, states["shared"], path)
+        except ConfigError as e:
+            error = str(e)
+        ranks.agree(error)
+        return True
 
     def _load_states(self, step: int) -> tuple[dict[str, torch.Tensor] | None, str | None]:
         """This rank's generator states of ``step`` (None: missing, or the run cannot replay) and the error of a
@@ -200,12 +259,14 @@ class ShardedDPTrainer(SparseDPTrainer):
     def save_private(self, step: int) -> None:
         rng.save_states(self.out, step, {"noise": self.noise_gen.get_state(), "shared": self.shared_gen.get_state()},
                         rank=self.rank)
-        shards.save_shard(self.out, {"model": self.sharded.state_dict(), "optimizer": self.optimizer.state_dict()},
-                          step=step, rank=self.rank, world=self.world)
-        shards.gather_tables(self.module.row_tables(), self.sharded.local_tables(), self.sharded.shard)
-        dist.barrier()  # every rank's files of ``step`` are written before checkpoint.pt names it
+        self._written = shards.folder_name(step, self._named)
+        shards.save(self.out, self._written, self._entries())
+        dist.barrier()  # every rank's files of ``step`` are written before checkpoint.pt names them
 
     def prune_private(self, step: int) -> None:
         dist.barrier()  # checkpoint.pt of ``step`` is written before anyone deletes the files of the last one
+        self._named = self._written
         rng.prune_states(self.out, step, rank=self.rank)
-        shards.prune_shards(self.out, step, rank=self.rank)
+        if self.is_writer:
+            shards.prune(self.out, keep=str(self._named))
+            shards.prune_gone_ranks(self.out / rng.PRIVATE_DIR, self.world)
