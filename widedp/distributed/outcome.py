@@ -25,8 +25,7 @@ from pathlib import Path
 from widedp.distributed import signals
 from widedp.errors import ConfigError
 
-#: set by widedp's ``--nproc`` launcher for its ranks: the folder where each writes how it ended
-LAUNCH_DIR = "WIDEDP_LAUNCH_DIR"
+LAUNCH_DIR = signals.LAUNCH_DIR
 
 
 def launched() -> bool:
@@ -77,17 +76,17 @@ def report(end: Ending) -> int:
 
 
 def _write_status(folder: Path, end: Ending) -> None:
-    """``folder/rank{R}.json``; nothing when the launcher is gone (killed: nobody reads it, its folder is left)."""
+    """``folder/rank{R}.json``; nothing once the launcher is gone (killed: nobody reads it; the watchdog removes
+    ``folder``)."""
     if str(os.getppid()) != os.environ.get(signals.LAUNCHER_PID):
-        with contextlib.suppress(OSError):
-            folder.rmdir()  # (once empty)
         return
     rank = int(os.environ.get("RANK", "0"))
     doc = {"rank": rank, "kind": end.kind, "text": end.text, "code": end.code, "detail": end.detail,
            "time": time.time()}
     tmp = folder / f".rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, folder / f"rank{rank}.json")
+    with contextlib.suppress(OSError):  # (the folder removed as the launcher dies)
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, folder / f"rank{rank}.json")
 
 
 def read_statuses(folder: Path) -> dict[int, dict]:

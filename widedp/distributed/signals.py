@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -33,6 +34,9 @@ from types import FrameType
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 #: set by widedp's ``--nproc`` launcher for its ranks: its pid (the parent they end with)
 LAUNCHER_PID = "WIDEDP_LAUNCHER_PID"
+#: set by widedp's ``--nproc`` launcher for its ranks: the folder where each writes how it ended
+#: (``widedp.distributed.outcome``), removed by a rank that outlives the launcher
+LAUNCH_DIR = "WIDEDP_LAUNCH_DIR"
 #: seconds an orphaned rank has to unwind after its SIGTERM before the watchdog sends SIGKILL
 GRACE_S = 5.0
 _PR_SET_PDEATHSIG = 1
@@ -109,10 +113,13 @@ def follow_launcher() -> None:
 
 
 def _watch(launcher: int, *, every_s: float = 0.2) -> None:
-    """Poll the parent's pid; once it is not ``launcher`` (the launcher died, even before the ``prctl``): SIGTERM
-    unless a signal already came, then SIGKILL after ``GRACE_S``."""
+    """Poll the parent's pid; once it is not ``launcher`` (the launcher died, even before the ``prctl``): remove
+    the launcher's ``LAUNCH_DIR`` (nobody reads it now), SIGTERM unless a signal already came, then SIGKILL after
+    ``GRACE_S``."""
     while os.getppid() == launcher:
         time.sleep(every_s)
+    if os.environ.get(LAUNCH_DIR):
+        shutil.rmtree(os.environ[LAUNCH_DIR], ignore_errors=True)
     if received() is None:
         os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(GRACE_S)
