@@ -22,11 +22,12 @@ import numpy as np
 import torch
 
 import widedp
+from widedp.commands.export import run_weights
 from widedp.errors import ConfigError
 from widedp.eval import similarity as sim
 from widedp.extras import MissingExtraError
 from widedp.run import rundir
-from widedp.run.checkpoint import load_checkpoint, read_json, write_json
+from widedp.run.checkpoint import read_json, write_json
 
 EVAL_FILE = "eval.json"
 VECTORS = "the CBOW input (context) embeddings, input.weight (what widedp export --format word2vec releases)"
@@ -61,10 +62,8 @@ def load_word_vectors(path: Path) -> WordVectors:
     if not rundir.holds_run(path):
         raise ConfigError(f"{path}: neither a widedp run directory (checkpoint.pt) nor a release (vectors.txt or "
                           "model.pt)")
-    ckpt = load_checkpoint(path)
-    state = ckpt.get("model") if isinstance(ckpt, dict) else None
-    if not isinstance(state, dict):
-        raise ConfigError(f"{path}: the checkpoint holds no model weights")
+    weights = run_weights(path)  # (a run on several processes keeps them in a DCP checkpoint)
+    state = {"input.weight": weights.read("input.weight")} if "input.weight" in weights.specs else {}
     summary = read_json(path / "summary.json") if (path / "summary.json").is_file() else None
     privacy = summary.get("privacy") if isinstance(summary, dict) else None
     return WordVectors(*_input_table(path, _vocab(path), state), "run", privacy if isinstance(privacy, dict) else None)

@@ -51,7 +51,7 @@ def _statement(run_dir: Path) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class _Weights:
+class RunWeights:
     """The run's weights, one tensor at a time: ``specs`` key -> (shape, dtype), ``read(key)`` the tensor. A
     one-process run's checkpoint.pt holds them all; a run on several processes keeps them in a DCP checkpoint
     (``widedp.distributed.shards``), read one table at a time: the export never holds the whole model."""
@@ -60,7 +60,8 @@ class _Weights:
     read: Callable[[str], torch.Tensor]
 
 
-def _weights(run_dir: Path) -> _Weights:
+def run_weights(run_dir: Path) -> RunWeights:
+    """The weights of run directory ``run_dir`` (``RunWeights``), or a ConfigError naming what is missing."""
     ckpt = load_checkpoint(run_dir)
     if isinstance(ckpt.get("dcp"), str):
         path = run_dir / ckpt["dcp"]
@@ -71,15 +72,15 @@ def _weights(run_dir: Path) -> _Weights:
         specs = {k.removeprefix("model."): v for k, v in every.items() if k.startswith("model.")}
         if not specs:
             raise ConfigError(f"{path}: the checkpoint holds no model weights")
-        return _Weights(specs, lambda key: shards.read_tensor(path, f"model.{key}", specs[key]))
+        return RunWeights(specs, lambda key: shards.read_tensor(path, f"model.{key}", specs[key]))
     state = ckpt.get("model") if "model" in ckpt else {k: v for k, v in ckpt.items() if k == "w"}
     if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"{run_dir}: the checkpoint holds no model weights")
     state = {k: v.detach().cpu() for k, v in state.items()}
-    return _Weights({k: (v.shape, v.dtype) for k, v in state.items()}, state.__getitem__)
+    return RunWeights({k: (v.shape, v.dtype) for k, v in state.items()}, state.__getitem__)
 
 
-def _word2vec_lines(run_dir: Path, vocab: list[str], weights: _Weights) -> str:
+def _word2vec_lines(run_dir: Path, vocab: list[str], weights: RunWeights) -> str:
     if "input.weight" not in weights.specs:
         raise ConfigError(f"{run_dir}: --format word2vec needs a CBOW run (no input.weight); use --format torch")
     weight = weights.read("input.weight").to(torch.float32)  # the context (input) embeddings, word2vec's vectors
@@ -91,7 +92,7 @@ def _word2vec_lines(run_dir: Path, vocab: list[str], weights: _Weights) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _save_tables(f: Any, weights: _Weights) -> None:
+def _save_tables(f: Any, weights: RunWeights) -> None:
     """``torch.save({key: weights.read(key)}, f)`` holding one tensor at a time: torch's format (a zip of the pickled
     dict, then one record per tensor) written as the pickle of shapes and dtypes alone (``skip_data``), then each
     tensor read, written as its record and freed. ``torch.load`` (``weights_only``, ``mmap``) reads it as any."""
@@ -154,7 +155,7 @@ def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec", overwrite
     if not rundir.holds_run(run_dir):
         raise ConfigError(f"{run_dir}: not a widedp run directory (no config.yaml, checkpoint.pt or summary.json)")
     statement = _statement(run_dir)
-    weights = _weights(run_dir)
+    weights = run_weights(run_dir)
     vocab_path = run_dir / "vocab.json"
     vocab = read_json(vocab_path) if vocab_path.is_file() else None
     if fmt == "word2vec" and vocab is None:
@@ -168,7 +169,7 @@ def export_release(run_dir: Path, out: Path, *, fmt: str = "word2vec", overwrite
                               "weights cannot be used; re-run it)")
         ids = read_json(run_dir / "ids.json")
         specs, ids = _recsys_release(run_dir, weights.specs, ids)
-        weights = _Weights(specs, weights.read)
+        weights = RunWeights(specs, weights.read)
     out = out.resolve()
     _check_out(run_dir, out, fmt, overwrite=overwrite)
     tmp = out.with_name(f".{out.name}.tmp")
