@@ -8,7 +8,9 @@
   noised by two ranks would show √2 times that), and a replicated table and the MLP stay equal on every rank;
 - selection: the exponential mechanism with equal scores picks each of the 21 rows of the three tables with
   probability 1/21 (χ²; a row owned twice or never would be picked twice as often or never);
-- the first step's checks run on every rank alike (their passes are collectives) and refuse a batch statistic.
+- the first step's checks run on every rank alike (their passes are collectives) and refuse a batch statistic;
+- a checkpoint (slices, MLP, ``state_dict``, ``save_private``) resumes exactly (each rank's own secret streams);
+- an id out of range on one rank is raised on every rank (none is left waiting in a collective).
 """
 
 from __future__ import annotations
@@ -129,6 +131,72 @@ def _refusals(world: int) -> dict:
         return {"coupled": str(e)}
 
 
+def _replay(world: int, tmp: str) -> dict:
+    """2 steps, checkpoint (the slices, the MLP, engine.state_dict, save_private), 2 more; then a fresh model and
+    engine loaded from the checkpoint takes the same 2 steps: the same weights (every rank's own secret streams)."""
+    from api_toys import interactions
+    from dmp_toy import collate, held, loss_fn, sharded
+    from torch.utils.data import DataLoader
+
+    import widedp
+
+    data = interactions(N, seed=0)
+
+    def start(dmp):
+        eng = widedp.PrivacyEngine(selection={"name": "exponential", "k": 3, "epsilon": 0.1, "score_clip": 0.1},
+                                   clip1=1.0, noise_multiplier=1.0)
+        lf = loss_fn(dmp)
+        dmp, opt, loader = eng.make_private(dmp, torch.optim.SGD(dmp.parameters(), lr=0.5),
+                                            DataLoader(data, batch_size=B, collate_fn=collate), epochs=1, loss_fn=lf)
+        return eng, opt, loader, lf
+
+    def steps(eng, opt, loader, lf, count):
+        for i, batch in enumerate(loader):
+            lf(batch).sum().backward()
+            opt.step()
+            if i + 1 == count:
+                return
+
+    dmp, _ = sharded("mix", world)
+    eng, opt, loader, lf = start(dmp)
+    steps(eng, opt, loader, lf, 2)
+    saved = ([t.local.view.detach().clone() for t in held(dmp)],
+             [p.detach().clone() for p in dmp.module.mlp.parameters()], eng.state_dict())
+    eng.save_private(tmp)
+    steps(eng, opt, loader, lf, 2)
+    want = torch.cat([t.local.view.detach().reshape(-1) for t in held(dmp)])
+    dmp2, _ = sharded("mix", world)
+    eng2, opt2, loader2, lf2 = start(dmp2)
+    with torch.no_grad():
+        for t, w in zip(held(dmp2), saved[0]):
+            t.local.view.copy_(w)
+        for p, w in zip(dmp2.module.mlp.parameters(), saved[1]):
+            p.copy_(w)
+    eng2.load_state_dict(saved[2])
+    eng2.load_private(tmp)
+    steps(eng2, opt2, loader2, lf2, 2)
+    got = torch.cat([t.local.view.detach().reshape(-1) for t in held(dmp2)])
+    return {"diff": float((got - want).abs().max()), "steps": eng2.steps, "moved": float((want - torch.cat(
+        [w.reshape(-1) for w in saved[0]])).abs().max())}
+
+
+def _bad_ids(world: int) -> dict:
+    """An id out of range in rank 1's share only: every rank raises (none waits in a collective)."""
+    from api_toys import interactions
+    from dmp_toy import collate, sharded, train
+
+    from widedp.api.capture import IdOutOfRangeError
+
+    dmp, _ = sharded("tw", world)
+    train(dmp, interactions(N, seed=0), batch_size=B, steps=0, selection="all", clip1=1.0, noise_multiplier=1.0)
+    items = [{"user": [100 if dist.get_rank() == 1 else 1], "item": [2], "tags": [3], "label": 1.0}]
+    try:
+        dmp(collate(items)[0])
+        return {"raised": None}
+    except IdOutOfRangeError as e:
+        return {"raised": str(e)}
+
+
 def _worker(rank: int, world: int, port: int, out: str, tasks: list[str]) -> None:
     from dmp_toy import join
 
@@ -145,6 +213,10 @@ def _worker(rank: int, world: int, port: int, out: str, tasks: list[str]) -> Non
             result[task] = _selection_law(world, 420)
         elif task == "refusals":
             result[task] = _refusals(world)
+        elif task == "replay":
+            result[task] = _replay(world, out)
+        elif task == "bad_ids":
+            result[task] = _bad_ids(world)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -159,7 +231,7 @@ def _run(world: int, tasks: list[str], tmp_path: Path) -> list[dict]:
 def test_dmp_two_processes(tmp_path: Path) -> None:
     from scipy import stats
 
-    ranks = _run(2, ["equal", "epsilon", "noise", "selection", "refusals"], tmp_path)
+    ranks = _run(2, ["equal", "epsilon", "noise", "selection", "refusals", "replay", "bad_ids"], tmp_path)
     for r in ranks:
         for kind, res in r["equal"].items():
             assert res["steps"] == 4 and res["moved"] > 1e-3, kind  # the tables did train
@@ -172,6 +244,8 @@ def test_dmp_two_processes(tmp_path: Path) -> None:
         for name, ratio in noise["ratios"].items():
             assert 0.88 < ratio < 1.12, (name, ratio)  # ≥ 400 draws (±4 SE); a second draw (√2) or none fails
         assert "samples interact" in r["refusals"]["coupled"] or "batch" in r["refusals"]["coupled"], r["refusals"]
+        assert r["replay"]["steps"] == 4 and r["replay"]["moved"] > 1e-3 and r["replay"]["diff"] == 0.0, r["replay"]
+    assert "id 100 is outside" in ranks[1]["bad_ids"]["raised"] and "rank 1" in ranks[0]["bad_ids"]["raised"]
     counts = ranks[0]["selection"]["counts"]
     assert counts == ranks[1]["selection"]["counts"] and sum(counts) == 420  # exactly one row per step
     assert stats.chisquare(counts).pvalue > 1e-3, counts

@@ -1,4 +1,5 @@
-"""Defects of ``make_private`` on a torchrec ``DistributedModelParallel`` model found by an audit (2 gloo processes).
+"""Regression tests for defects an audit found in ``make_private`` on a torchrec ``DistributedModelParallel`` model
+(2 gloo processes); each failed before its fix.
 
 - a table's weight read outside its lookup (here a data_parallel table, as a tied output layer would) gets a
   gradient that no check sees on DMP; ``apply_dense`` then steps it with the user's optimizer: a non-private

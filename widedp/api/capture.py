@@ -94,6 +94,11 @@ def _check_table_module(name: str, m: nn.Module) -> None:
         raise UnsupportedModelError(f"{name}: EmbeddingBag mode='max' is not supported (use 'sum' or 'mean')")
 
 
+def read_outside(name: str) -> str:
+    return (f"{name}: the table's weight was read outside its lookup (e.g. a tied output layer, weight @ h): its "
+            "per-sample gradient is not computed")
+
+
 class Capture:
     """Discovers the tables and dense modules of ``model`` and keeps the hooks that record calls.
 
@@ -108,6 +113,7 @@ class Capture:
         # modules whose tables another capture records (torchrec's sharded collections, ``widedp.api.sharded``):
         # their sub-modules are neither tables nor dense layers here
         self._inside_sharded = {id(c) for m in sharded for c in m.modules()}
+        self.sharded_check: Any = None  # the sharded tables' own ``check_tables_untouched`` (``widedp.api.sharded``)
         self.records: list[Record] = []
         self.enabled = True
         self.independence_checked = False  # ``widedp.api.per_sample.check_independent`` has passed once
@@ -362,8 +368,9 @@ class Capture:
         for t in self.tables:
             if t.weight.grad is not None:
                 t.weight.grad = None
-                raise UnsupportedModelError(f"{t.name}: the table's weight was read outside its lookup (e.g. a tied "
-                                            "output layer, weight @ h): its per-sample gradient is not computed")
+                raise UnsupportedModelError(read_outside(t.name))
+        if self.sharded_check is not None:
+            self.sharded_check()
 
     def clear(self) -> None:
         self.records.clear()

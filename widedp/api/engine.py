@@ -204,7 +204,7 @@ class PrivacyEngine(EngineState):
         if not isinstance(b, int) or not 1 <= b <= n:
             raise ConfigError(f"make_private: data_loader.batch_size must be an int in [1, {n}] (the expected Poisson "
                               f"batch size), got {b!r}")
-        self._dmp = DMPModel.of(model, n=n, batch_size=b) if is_dmp(model) else None
+        self._dmp = DMPModel.of(model, dataset, batch_size=b) if is_dmp(model) else None
         if self._dmp is not None:
             self._seeds = self._dmp.seeds_from_rank0(self._seeds)
         capture = Capture(model) if self._dmp is None else self._dmp.capture()

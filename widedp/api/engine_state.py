@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from widedp import accounting
+from widedp.api.sharded import agree
 from widedp.dp import rng
 from widedp.errors import ConfigError
 
@@ -21,7 +22,8 @@ class EngineState:
         return {"n": self.n, "batch_size": self.batch_size, "epochs": self.epochs, "num_rows": self.layout.num_rows,
                 "noise_multiplier": dp.noise_multiplier, "clip1": dp.clip1, "clip2": dp.clip2, "delta": dp.delta,
                 "accountant": dp.accountant, "selection": dataclasses.asdict(dp.selection),
-                "sampling_rate": dp.sampling_rate, **({"noise": dp.noise} if dp.noise != "gaussian" else {})}
+                "sampling_rate": dp.sampling_rate, **({"noise": dp.noise} if dp.noise != "gaussian" else {}),
+                **({} if self._dmp is None else {"rank": self._dmp.rank, "processes": self._dmp.world})}
 
     def state_dict(self) -> dict[str, Any]:
         """Step, ledger (JSON), table optimizer state and the settings they belong to; no seed, no generator state
@@ -55,6 +57,20 @@ class EngineState:
         rng.save_states(d, self.steps, self._generator_states(), rank=rank)
         self._last_private = self.steps
 
+    def _read_seeds(self, d: Path) -> tuple[rng.RunSeeds | None, str | None]:
+        """(the seeds in ``d``'s private folder, the error that stops a load); on a DMP model rank 0's only."""
+        if self._dmp is not None and self._dmp.rank != 0:
+            return None, None
+        try:
+            seeds = rng.load_seeds(d)
+        except ConfigError as e:
+            return None, str(e)
+        if seeds is None:
+            return None, f"{d}: no private state in {d / rng.PRIVATE_DIR}"
+        if seeds.mode != self._dp.rng:
+            return None, f"{d}: private state is {seeds.mode!r}, this engine is {self._dp.rng!r}"
+        return seeds, None
+
     def _generator_states(self) -> dict[str, Any]:
         states = {"noise": self._noise.get_state()}
         if self._dmp is not None:
@@ -65,17 +81,27 @@ class EngineState:
         """Restore what ``save_private`` wrote at this step (call after ``load_state_dict``): exact replay."""
         self._ready()
         d = Path(run_dir)
-        seeds = rng.load_seeds(d)
-        if seeds is None:
-            raise ConfigError(f"{d}: no private state in {d / rng.PRIVATE_DIR}")
-        if seeds.mode != self._dp.rng:
-            raise ConfigError(f"{d}: private state is {seeds.mode!r}, this engine is {self._dp.rng!r}")
+        seeds, error = self._read_seeds(d)
+        if self._dmp is not None:  # rank 0 reads them (no shared file system needed), every rank stops on an error
+            agree(error, self._dmp.group, kind=ConfigError)
+            seeds = self._dmp.seeds_from_rank0(seeds if seeds is not None else self._seeds)
+        elif error is not None:
+            raise ConfigError(error)
+        assert seeds is not None
         rank = None if self._dmp is None else self._dmp.rank
         names = ("noise",) if self._dmp is None else ("noise", "shared")
-        states = rng.load_states(d, self.steps, rank=rank, names=names)
-        if states is None:
-            raise ConfigError(f"{d}: no generator state for step {self.steps}; save_private and state_dict must "
-                              "come from the same step (load_state_dict first)")
+        try:
+            states, error = rng.load_states(d, self.steps, rank=rank, names=names), None
+        except ConfigError as e:
+            states, error = None, str(e)
+        if states is None and error is None:
+            error = (f"{d}: no generator state for step {self.steps}{'' if rank is None else f' of rank {rank}'}; "
+                     "save_private and state_dict must come from the same step (load_state_dict first)")
+        if self._dmp is not None:
+            agree(error, self._dmp.group, kind=ConfigError)
+        elif error is not None:
+            raise ConfigError(error)
+        assert states is not None
         self._start_randomness(seeds)
         self._noise.set_state(states["noise"])
         if self._dmp is not None:

@@ -260,6 +260,8 @@ def _dense_rows(records: list[Record], layout: Layout, batch: int, device: torch
     """[B, A·D] per-sample gradients of the dense parameters, flattened in order and zero-padded (zeros for a
     parameter no recorded call reached); each call's gradients are added straight into their slice."""
     out = torch.zeros(batch, layout.always_rows * layout.dim, dtype=layout.dtype, device=device)
+    if batch == 0:  # (a process's empty share of a batch on several processes)
+        return out
     at, where = 0, {}
     for _, p in layout.dense:
         where[id(p)] = out[:, at : at + p.numel()]

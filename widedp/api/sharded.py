@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from widedp.api.capture import Capture, IdOutOfRangeError, Record, Table, UnsupportedModelError
+from widedp.api.capture import Capture, IdOutOfRangeError, Record, Table, UnsupportedModelError, read_outside
 from widedp.dp.layout import RowShard, _all_gather_var
 from widedp.dp.rowgrads import PerSampleRows, PerSampleRowsWithDense, coalesce
 
@@ -161,10 +161,15 @@ def table_shard(tables: list[ShardedTable], *, rank: int, world: int, num_dense_
 
 class ShardedCapture:
     """Hooks on the sharded collections that record each feature's lookups into ``capture.records`` (as
-    ``Capture`` records an unsharded collection's) and cut the backward off torchrec's lookups."""
+    ``Capture`` records an unsharded collection's) and cut the backward off torchrec's lookups. An error one rank
+    finds (an id out of range, a table read outside its lookup) is raised on every rank (``agree``): the others
+    would otherwise wait in the next collective."""
 
-    def __init__(self, capture: Capture, modules: list[tuple[str, nn.Module]], tables: list[ShardedTable]) -> None:
-        self.capture = capture
+    def __init__(self, capture: Capture, modules: list[tuple[str, nn.Module]], tables: list[ShardedTable],
+                 group: Any = None) -> None:
+        self.capture, self.group = capture, group
+        self._params = [(f"{name}.{n}" if name else n, p) for name, m in modules for n, p in m.named_parameters()]
+        capture.sharded_check = self.check_untouched
         self._features: dict[int, dict[str, ShardedTable]] = {}
         self._pending: dict[int, list[tuple[str, Record]]] = {}
         at = 0
@@ -175,18 +180,30 @@ class ShardedCapture:
             capture._handles.append(sebc.register_forward_pre_hook(self._pre))
             capture._handles.append(sebc.register_forward_hook(self._post))
 
+    def check_untouched(self) -> None:
+        """``Capture.check_tables_untouched`` for torchrec's tables: a gradient on one of their parameters (a read
+        outside the lookup; the user's optimizer would step it) is cleared and refused on every rank."""
+        touched = [n for n, p in self._params if p.grad is not None]
+        for _, p in self._params:
+            p.grad = None
+        agree(read_outside(touched[0].removesuffix(".weight")) if touched else None, self.group)
+
     def _pre(self, m: nn.Module, args: tuple[Any, ...]) -> None:
         kjt = args[0]
         if kjt.variable_stride_per_key():
             raise UnsupportedModelError(f"{self.capture._label(m)}: variable-batch KJTs are not supported")
-        jts, batch = kjt.to_dict(), kjt.stride()
+        batch = kjt.stride()
+        jts = kjt.to_dict() if batch else None  # (torchrec's to_dict fails on a rank's empty share of a batch)
+        error = None
+        for f, t in self._features[id(m)].items():
+            error = error or (_bad_ids(t, f, jts[f].values()) if jts is not None else None)
+        agree(error, self.group, kind=IdOutOfRangeError)
         records = []
         for f, t in self._features[id(m)].items():
+            if jts is None or not self.capture._recording(m):
+                continue
             jt = jts[f]
             ids, lengths = jt.values(), jt.lengths()
-            _check_ids(t, f, ids)
-            if not self.capture._recording(m):
-                continue
             sample = torch.repeat_interleave(torch.arange(batch, device=ids.device), lengths)
             w = jt.weights_or_none() if m._is_weighted else None
             scale = None if w is None else w.detach().to(t.table.weight.dtype)
@@ -225,12 +242,23 @@ def _column_ranges(lengths: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _check_ids(t: ShardedTable, feature: str, ids: Tensor) -> None:
+def _bad_ids(t: ShardedTable, feature: str, ids: Tensor) -> str | None:
     bad = (ids < 0) | (ids >= t.table.num_rows)
     if ids.numel() and bool(bad.any()):
         pos = int(bad.nonzero()[0])
-        raise IdOutOfRangeError(f"{t.table.name} (feature {feature}): id {int(ids[pos])} is outside the table's "
-                                f"{t.table.num_rows} rows [0, {t.table.num_rows})")
+        return (f"{t.table.name} (feature {feature}): id {int(ids[pos])} is outside the table's {t.table.num_rows} "
+                f"rows [0, {t.table.num_rows}); map ids to rows before the lookup")
+    return None
+
+
+def agree(error: str | None, group: Any = None, *, kind: type[Exception] = UnsupportedModelError) -> None:
+    """Raise ``kind`` on every rank when any rank has an ``error`` (its own message; the others name the rank)."""
+    flag = torch.tensor([dist.get_rank(group) if error is not None else -1])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise kind(error)
+    if int(flag) >= 0:
+        raise kind(f"rank {int(flag)} stopped the step (its error says why)")
 
 
 def global_rows(g: PerSampleRows, shard: TableShard, *, always_rows: int,

@@ -4,6 +4,7 @@ the process group, the tables' owners and slices (``widedp.api.sharded``) and th
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -40,26 +41,36 @@ class DMPModel:
 
     def __init__(self, model: nn.Module, modules: list[tuple[str, nn.Module]], tables: list[ShardedTable], *,
                  rank: int, world: int, group: Any) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
         self.model, self.modules, self.tables = model, modules, tables
         self.rank, self.world, self.group = rank, world, group
         self._layouts: dict[int, RowBlocks] = {}
+        # DMP's default wraps the dense layers in DDP, which leaves the mean over ranks in their .grad
+        self.ddp = isinstance(getattr(model, "_dmp_wrapped_module", None), DistributedDataParallel)
 
     @classmethod
-    def of(cls, model: nn.Module, *, n: int, batch_size: int) -> DMPModel:
-        """The tables of ``model`` (a DMP) on this rank; every rank must give the same dataset size ``n`` and
-        per-rank ``batch_size`` (ConfigError naming both otherwise)."""
+    def of(cls, model: nn.Module, dataset: Any, *, batch_size: int) -> DMPModel:
+        """The tables of ``model`` (a DMP) on this rank; every rank must give the same (whole) ``dataset`` — the
+        Poisson batch is drawn over all of it — and per-rank ``batch_size`` (a ConfigError otherwise; the dataset
+        is compared by its size and a checksum of its first and last items)."""
         if not dist.is_initialized():
             raise ConfigError("make_private: a DistributedModelParallel model needs its process group initialised")
         group = getattr(getattr(model, "_env", None), "process_group", None)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         modules = sharded_modules(model.module)
         tables = discover(modules, rank=rank, world=world)
-        mine = torch.tensor([n, batch_size])
+        n = len(dataset)
+        mine = torch.tensor([n, batch_size, zlib.crc32(repr((dataset[0], dataset[n - 1])).encode())])
         every = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(every, mine, group=group)
-        if any(not torch.equal(e, mine) for e in every):
+        if any(not torch.equal(e[:2], mine[:2]) for e in every):
             raise ConfigError(f"make_private: every rank must pass the same dataset and batch_size; got (len(dataset), "
-                              f"batch_size) = {[tuple(e.tolist()) for e in every]} by rank")
+                              f"batch_size) = {[tuple(e[:2].tolist()) for e in every]} by rank")
+        if any(not torch.equal(e, mine) for e in every):
+            raise ConfigError("make_private: every rank must pass the same whole dataset (the Poisson batch is drawn "
+                              "over all of it and each rank takes its part); the ranks' first or last items differ "
+                              "(a per-rank shard of the data?)")
         return cls(model, modules, tables, rank=rank, world=world, group=group)
 
     @property
@@ -91,7 +102,7 @@ class DMPModel:
             cap.remove()
             raise ConfigError(f"make_private: {cap.tables[0].name} is an unsharded table beside sharded ones; shard "
                               "every table (a data_parallel plan replicates a small one)")
-        ShardedCapture(cap, self.modules, self.tables)
+        ShardedCapture(cap, self.modules, self.tables, self.group)
         return cap
 
     def updater(self, layout: Layout, optimizer: torch.optim.Optimizer, name: str | None) -> ShardedUpdater:
@@ -102,8 +113,9 @@ class DMPModel:
         return indices[b * self.rank // self.world : b * (self.rank + 1) // self.world]
 
     @property
-    def dense_total(self) -> Callable[[Tensor], Tensor]:
-        return dense_total(self.world, self.group)
+    def dense_total(self) -> Callable[[Tensor], Tensor] | None:
+        """What the backward leaves in a dense ``.grad`` from this rank's summed per-sample gradients."""
+        return dense_total(self.world, self.group) if self.ddp else None
 
     def layout(self, shared: torch.Generator) -> RowBlocks:
         """The step's layout: ``RowBlocks`` over the tables' owners (the same object every step)."""
