@@ -56,12 +56,12 @@ SETTINGS = {
 
 #: V = 10K, eps = 8: the cells run, in run order (of the grid of DP-SGD and public_top at lr 3e-3 and 1e-2, heads
 #: H in {1000, 2000, 5000}, the pooled threshold, the threshold with a head, non-private)
-EPS8_ORDER = ("dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.01", "public_top-eps8-H2000", "public_top-eps8-H2000-lr0.01",
-              "gaussian_threshold-eps8-f0.25-t1", "gt_head-eps8-H2000-f0.25-t1", "public_top-eps8-H5000",
-              "public_top-eps8-H1000", "nonprivate")
+EPS8_ORDER = ("dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.01", "gt_head-eps8-H2000-f0.25-t1", "public_top-eps8-H5000",
+              "gaussian_threshold-eps8-f0.25-t1", "public_top-eps8-H2000", "nonprivate", "public_top-eps8-H1000",
+              "public_top-eps8-H2000-lr0.01")
 
-#: the second seed of each mechanism's best cell (by validation loss), once its cells have finished
-SEEDS: dict[str, list[int]] = {}
+#: setting -> cell -> seeds: a second seed for each mechanism's best cell (by validation loss) once it has finished
+SEEDS: dict[str, dict[str, list[int]]] = {"v1k": {"dpsgd-eps8-lr0.003": [0, 1]}}
 
 
 def steps(q: float) -> int:
@@ -125,7 +125,8 @@ def sweeps() -> dict[str, tuple[str, list[dict]]]:
     by_name = {c["name"]: c for c in grid}
     v10k_8 = [by_name[n] for n in EPS8_ORDER]
     v10k = [c for e in (3, 1) for c in cells("v10k", e, heads=(2000,))]
-    v1k = cells("v1k", 8, lrs=(3e-3, 1e-2)) + [nonprivate("v1k")]
+    v1k = cells("v1k", 8, lrs=(3e-3, 1e-2)) + [nonprivate("v1k")] + cells("v1k", 8, heads=(), lrs=(5e-3,))[:1]
+    v1k += [c for e in (3, 1) for c in cells("v1k", e, heads=())]
     doc = cells("doc", 8, heads=(2000,))
     return {"frontier_sentence_v10k_eps8": ("v10k", v10k_8), "frontier_sentence_v10k": ("v10k", v10k),
             "frontier_sentence_v1k": ("v1k", v1k), "frontier_document_v10k": ("doc", doc)}
@@ -133,8 +134,8 @@ def sweeps() -> dict[str, tuple[str, list[dict]]]:
 
 def write(stem: str, v: str, runs: list[dict]) -> Path:
     for r in runs:
-        if r["name"] in SEEDS:
-            r["seeds"] = SEEDS[r["name"]]
+        if r["name"] in SEEDS.get(v, {}):
+            r["seeds"] = SEEDS[v][r["name"]]
     st = SETTINGS[v]
     epsilons = sorted({r["set"]["dp.target_epsilon"] for r in runs if "dp.target_epsilon" in r["set"]})
     panels = {f"target ε = {e:g}": [r["name"] for r in runs if r["set"].get("dp.target_epsilon") == e]

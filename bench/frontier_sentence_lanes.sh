@@ -5,7 +5,7 @@
 # compare reuses a finished cell (same config hash) and resumes a checkpointed one (every 200 steps), so `start`
 # after a crash or a reboot continues where the lanes stopped.
 #   bash bench/frontier_sentence_lanes.sh start [1|2]   # start the lanes not running (a running one is left alone)
-#   bash bench/frontier_sentence_lanes.sh stop     # stop both lanes (their pids in bench/out/frontier_sentence/)
+#   bash bench/frontier_sentence_lanes.sh stop [1|2]    # stop the lanes (their pids in bench/out/frontier_sentence/)
 #   .venv/bin/python bench/frontier_sentence_status.py   # what finished, what runs, the table
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +31,7 @@ start() {  # start lane $1 over the sweep files $2
 case "${1:-}" in
   start) if [[ "${2:-1}" == 1 ]]; then start 1 "$LANE1"; fi
          if [[ "${2:-2}" == 2 ]]; then start 2 "$LANE2"; fi ;;
-  stop) for n in 1 2; do if running "$n"; then kill -- "-$(cat "$OUT/lane$n.pid")" && echo "lane $n stopped"; fi
-        done ;;
+  stop) for n in ${2:-1 2}; do if running "$n"; then kill -- "-$(cat "$OUT/lane$n.pid")" && echo "lane $n stopped"
+        fi; done ;;
   *) echo "usage: $0 start|stop" >&2; exit 2 ;;
 esac

@@ -13,7 +13,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 @pytest.mark.parametrize("name,unit,targets", [("frontier_sentence_v10k_eps8.yaml", "sentence", {8.0}),
                                                ("frontier_sentence_v10k.yaml", "sentence", {1.0, 3.0}),
-                                               ("frontier_sentence_v1k.yaml", "sentence", {8.0}),
+                                               ("frontier_sentence_v1k.yaml", "sentence", {1.0, 3.0, 8.0}),
                                                ("frontier_document_v10k.yaml", "document", {8.0})])
 def test_frontier_sentence_sweeps_load(name, unit, targets):
     sweep = load_sweep(CONFIGS / name)
