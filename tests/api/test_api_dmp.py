@@ -210,13 +210,17 @@ def _worker(rank: int, world: int, port: int, out: str, tasks: list[str]) -> Non
         elif task == "noise":
             result[task] = _noise_law(world)
         elif task == "selection":
-            result[task] = _selection_law(world, 420)
+            result[task] = _selection_law(world, 252)
         elif task == "refusals":
             result[task] = _refusals(world)
         elif task == "replay":
             result[task] = _replay(world, out)
         elif task == "bad_ids":
             result[task] = _bad_ids(world)
+        elif task in ("leak", "empty"):  # the audit's regression tasks
+            from test_api_dmp_audit import _empty_share, _leak
+
+            result[task] = _leak(world) if task == "leak" else _empty_share(world)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -230,8 +234,10 @@ def _run(world: int, tasks: list[str], tmp_path: Path) -> list[dict]:
 
 def test_dmp_two_processes(tmp_path: Path) -> None:
     from scipy import stats
+    from test_api_dmp_audit import check_empty, check_leak
 
-    ranks = _run(2, ["equal", "epsilon", "noise", "selection", "refusals", "replay", "bad_ids"], tmp_path)
+    ranks = _run(2, ["equal", "epsilon", "noise", "selection", "refusals", "replay", "bad_ids", "leak", "empty"],
+                 tmp_path)
     for r in ranks:
         for kind, res in r["equal"].items():
             assert res["steps"] == 4 and res["moved"] > 1e-3, kind  # the tables did train
@@ -245,9 +251,11 @@ def test_dmp_two_processes(tmp_path: Path) -> None:
             assert 0.88 < ratio < 1.12, (name, ratio)  # ≥ 400 draws (±4 SE); a second draw (√2) or none fails
         assert "samples interact" in r["refusals"]["coupled"] or "batch" in r["refusals"]["coupled"], r["refusals"]
         assert r["replay"]["steps"] == 4 and r["replay"]["moved"] > 1e-3 and r["replay"]["diff"] == 0.0, r["replay"]
+        check_leak(r["leak"])
+        check_empty(r["empty"])
     assert "id 100 is outside" in ranks[1]["bad_ids"]["raised"] and "rank 1" in ranks[0]["bad_ids"]["raised"]
     counts = ranks[0]["selection"]["counts"]
-    assert counts == ranks[1]["selection"]["counts"] and sum(counts) == 420  # exactly one row per step
+    assert counts == ranks[1]["selection"]["counts"] and sum(counts) == 252  # exactly one row per step
     assert stats.chisquare(counts).pvalue > 1e-3, counts
 
 

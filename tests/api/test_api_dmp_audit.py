@@ -1,5 +1,6 @@
 """Regression tests for defects an audit found in ``make_private`` on a torchrec ``DistributedModelParallel`` model
-(2 gloo processes); each failed before its fix.
+(2 gloo processes: ``_leak`` and ``_empty_share`` run among ``test_api_dmp.py``'s tasks, checked by ``check_leak``
+and ``check_empty``); each failed before its fix.
 
 - a table's weight read outside its lookup (here a data_parallel table, as a tied output layer would) gets a
   gradient that no check sees on DMP; ``apply_dense`` then steps it with the user's optimizer: a non-private
@@ -11,15 +12,8 @@
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 pytest.importorskip("torchrec")
@@ -112,32 +106,6 @@ def _train(model, data, *, batch_size, **engine):
     return eng
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    import logging
-    import warnings
-
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    result = {"leak": _leak(world)}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    result["empty"] = _empty_share(world)  # last: after an error here this process exits (no further collective)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    if "error" not in result["empty"]:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    from widedp.distributed.ranks import free_port
-
-    out = tmp_path_factory.mktemp("dmp_audit")
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-
-
 def test_one_process_refuses_a_table_read_outside_its_lookup() -> None:
     """The reference behaviour: the one-process engine refuses the same model (``check_tables_untouched``)."""
     from api_toys import interactions
@@ -160,19 +128,16 @@ def test_one_process_refuses_a_table_read_outside_its_lookup() -> None:
         dopt.step()
 
 
-def test_dmp_table_read_outside_its_lookup_is_refused_not_stepped(ranks: list[dict]) -> None:
-    for r in ranks:
-        leak = r["leak"]
-        if "refused" in leak:
-            assert "outside" in leak["refused"], leak
-        else:  # the DP update is ~1e-9: any larger move is the user's optimizer on the non-private .grad
-            assert max(leak["moved"].values()) < 1e-6, leak
+def check_leak(leak: dict) -> None:
+    """``_leak``'s result on one rank (``tests/api/test_api_dmp.py`` runs it among its 2-process tasks)."""
+    if "refused" in leak:
+        assert "outside" in leak["refused"], leak
+    else:  # the DP update is ~1e-9: any larger move is the user's optimizer on the non-private .grad
+        assert max(leak["moved"].values()) < 1e-6, leak
 
 
-def test_dmp_empty_local_share_steps_like_one_process(ranks: list[dict]) -> None:
-    for r in ranks:
-        assert "empty" in r, "rank stopped before the empty-share run"
-        res = r["empty"]
-        assert "error" not in res, res["error"]
-        assert min(res["sizes"]) < 2, res  # the run did have a step whose share was empty on some rank
-        assert res["diff"] < 1e-6, res
+def check_empty(res: dict) -> None:
+    """``_empty_share``'s result on one rank."""
+    assert "error" not in res, res["error"]
+    assert min(res["sizes"]) < 2, res  # the run did have a step whose share was empty on some rank
+    assert res["diff"] < 1e-6, res
