@@ -46,6 +46,7 @@ from widedp.api.capture import Capture
 from widedp.api.coupling import UNCHECKED, FirstStepChecks, random_state
 from widedp.api.engine_state import EngineState
 from widedp.api.loader import PoissonLoader
+from widedp.api.optimizer import DPOptimizer
 from widedp.api.per_sample import Layout, batch_size_of, collect, empty_rows, losses_and_rows
 from widedp.api.sharded_engine import DMPModel, is_dmp
 from widedp.api.update import Updater
@@ -79,33 +80,6 @@ def selection_config(selection: SelectionConfig | dict[str, Any] | str) -> Selec
         raise ConfigError(f"selection ({name}): {e}") from None
 
 
-class DPOptimizer:
-    """The optimizer ``make_private`` returns: ``step()`` runs the DP step on the per-sample gradients recorded by the
-    last forward + ``backward``; everything else is the original optimizer's (``original_optimizer``; attach LR
-    schedulers to it)."""
-
-    def __init__(self, engine: PrivacyEngine, original: torch.optim.Optimizer) -> None:
-        self.engine, self.original_optimizer = engine, original
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.original_optimizer.param_groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Any = None) -> None:
-        if closure is not None:
-            raise ValueError("DPOptimizer.step: closures are not supported (one forward + backward per step)")
-        self.engine._step_recorded()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.original_optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.original_optimizer.load_state_dict(state)
-
-
 class PrivacyEngine(EngineState):
     """DP-sparse training of a wide model (see the module docstring).
 
@@ -126,13 +100,15 @@ class PrivacyEngine(EngineState):
             data's size (the statement lists it as not covered).
         noise: ``gaussian`` (default) | ``secure``: floating-point-safe discrete Gaussian noise on a grid (as
             ``dp.noise``; needs ``accountant="rdp"``).
+        allow_large_delta: accept a ``delta`` at or above 1/n for n training items (refused otherwise: such a δ
+            is met by publishing each item in the clear with probability δ).
     """
 
     def __init__(self, *, selection: SelectionConfig | dict[str, Any] | str | None = None, clip1: float | None = None,
                  clip2: float | None = None, noise_multiplier: float | None = None,
                  target_epsilon: float | None = None, delta: float = 1e-5, privacy_unit: str = "example",
                  accountant: str = "pld", secure_rng: bool = True, seed: int = 0, sampling_rate: float | None = None,
-                 noise: Literal["gaussian", "secure"] = "gaussian") -> None:
+                 noise: Literal["gaussian", "secure"] = "gaussian", allow_large_delta: bool = False) -> None:
         if selection is None:  # (required: None only to say so in words)
             raise TypeError('PrivacyEngine: pass selection=, the row selection: {"name": "all"} is DP-SGD (every row), '
                             'or e.g. {"name": "exponential", "k": 64, "epsilon": 0.05, "score_clip": 0.05}')
@@ -145,7 +121,7 @@ class PrivacyEngine(EngineState):
         self._dp = DPConfig(clip1=clip1, clip2=clip2, noise_multiplier=sigma, delta=delta,
                             accountant=accountant, target_epsilon=target_epsilon,
                             rng="secure" if secure_rng else "reproducible", selection=selection_config(selection),
-                            sampling_rate=sampling_rate, noise=noise)
+                            sampling_rate=sampling_rate, noise=noise, allow_large_delta=allow_large_delta)
         self._sigma_given = noise_multiplier is not None
         self.privacy_unit = privacy_unit
         self._seeds = rng.new_seeds(mode=self._dp.rng, seed=seed)
@@ -231,6 +207,10 @@ class PrivacyEngine(EngineState):
         self._updater.clear_grads()  # gradients from before make_private are not this run's
         b = b if dmp is None else b * dmp.world  # a DMP loader's batch_size is each rank's: b is all ranks'
         self.n, self.batch_size, self.epochs = n, b, epochs
+        if self._dp.delta >= 1 / n and not self._dp.allow_large_delta:
+            raise ConfigError(f"make_private: delta={self._dp.delta:g} is not below 1/n = {1 / n:.3g} for n = {n:,} "
+                              f"training items: publishing each {self.privacy_unit} in the clear with probability δ "
+                              "meets it; pass a smaller delta, or allow_large_delta=True")
         self.sampling_rate = plan.sampling_rate(self._dp, b, n)
         self.steps_per_epoch = plan.steps_per_epoch(b, n, rate=self._dp.sampling_rate)
         self.total_steps = epochs * self.steps_per_epoch
