@@ -5,6 +5,7 @@ tested on two processes in test_distributed.py, test_secure_noise.py and selecti
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,12 @@ from widedp.errors import ConfigError
 def test_options_are_refused_in_one_place_with_the_key():
     blocks = RowBlocks(RowShard(0, 2, (0, 5), (5, 7), 2), shared=torch.Generator())
     check_options(SingleProcess(), dict.fromkeys(OPTIONS, True))  # one process carries every option
-    check_options(blocks, {"dp.preselect": False, "data.negatives_pool": True})
+    check_options(blocks, dict.fromkeys(OPTIONS, True))  # and so do row blocks (dp.preselect: drawn by rank 0)
+    refusing = dataclasses.replace(blocks, refuses=frozenset({"dp.preselect"}))  # a layout that cannot carry one
+    check_options(refusing, {"dp.preselect": False, "data.negatives_pool": True})
     with pytest.raises(ConfigError, match=r"^dp\.preselect: not available on several processes") as e:
-        check_options(blocks, {"dp.preselect": True})
+        check_options(refusing, {"dp.preselect": True})
     assert "\n" not in str(e.value)
-    assert blocks.refuses <= set(OPTIONS)
 
 
 def test_row_shard_maps_own_rows_both_ways():

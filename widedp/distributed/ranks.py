@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -101,6 +102,21 @@ def broadcast_ints(values: list[int] | None, *, count: int, device: torch.device
     t = torch.tensor(values if values is not None else [0] * count, dtype=torch.int64, device=device)
     dist.broadcast(t, src=0)
     return [int(v) for v in t.tolist()]
+
+
+def share_release(folder: Path) -> None:
+    """What rank 0's build released before the first step (the DP vocabulary: ``vocab_release.json`` in rank 0's
+    ``folder``), written into every other rank's build ``folder`` over the process group, so that their builds
+    load it rather than draw: it is drawn once, with rank 0's secret seed. A collective; nothing on one process."""
+    if world() <= 1:
+        return
+    from widedp.dp.vocab import RELEASE_FILE
+
+    path = folder / RELEASE_FILE
+    box = [path.read_bytes() if rank() == 0 and path.is_file() else None]
+    dist.broadcast_object_list(box, src=0)
+    if rank() != 0 and box[0] is not None:
+        path.write_bytes(box[0])
 
 
 def derive_seed(secret: int, label: str) -> int:

@@ -25,8 +25,8 @@ Layouts:
   through order statistics, keeps its top k; the top k of the all_gathered candidates is the Gumbel top-k of all
   rows: ``sharded_gumbel_topk``); every other selector runs on the all_gathered (touched, score) pairs with
   ``shared``, a generator seeded alike on every process (the single-process selection for that seed). Public rows
-  (``data.negatives_pool``) work as on one process; ``dp.preselect`` is refused (its one-shot release is drawn and
-  written by one process).
+  (``data.negatives_pool``) work as on one process; so does ``dp.preselect`` (its kept rows, drawn once by rank 0
+  and sent to every process, restrict the selector, which then takes the all_gathered path).
 
 Other layouts the protocol expresses (not implemented): torchrec's table-wise plan is ``RowBlocks`` with whole
 tables as blocks (one owner per table). Column-wise: a row split across ranks by columns; ``clip_aggregate``
@@ -289,7 +289,7 @@ class RowBlocks:
     shared: torch.Generator
     group: dist.ProcessGroup | None = None
     name: str = "several processes (row blocks)"
-    refuses: frozenset[str] = frozenset({"dp.preselect"})
+    refuses: frozenset[str] = frozenset()
 
     def _share(self, g: PerSampleRows, always_from: int | None) -> PerSampleRows:
         """``g`` with the replicated rows' pairs of the samples other processes take dropped."""

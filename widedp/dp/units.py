@@ -14,6 +14,10 @@ removing one unit changes no other unit's samples. With DP, Poisson sampling dra
 per-sample row gradients of a batch are summed per unit (``group_rows``) BEFORE ``widedp.dp.step.dp_step``, which
 then clips each unit's summed gradient at S1 and works in units exactly as it does in samples: the sensitivity
 min(S1/b, 2·S2), the selection's score sensitivity and the accountant's q are all per unit.
+
+On several processes (``widedp.run.trainers.sharded``) every rank draws the same units (``UnitPoissonSampler``
+seeded by the shared sampling seed) and merges its own rows of each unit (``group_rows``); the row-block layout sums
+each unit's squared norm over the ranks, so a unit is clipped over all its rows, as on one process.
 """
 
 from __future__ import annotations

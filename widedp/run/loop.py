@@ -181,8 +181,10 @@ def _build(cfg: Config, task: Task, out: Path, trainer: Trainer, *, device: Any,
         built = task.build(cfg, out, device=device, data=data, noise_seed=trainer.prefix_seed,
                            resumed=ckpt is not None)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        ranks.share_release(out)
     else:  # the task's files are rank 0's to write (a rank > 0 of a distributed run)
         with tempfile.TemporaryDirectory(prefix="widedp-rank-") as scratch:
+            ranks.share_release(Path(scratch))  # rank 0's DP vocabulary: loaded, never drawn again
             built = task.build(cfg, Path(scratch), device=device, data=data, noise_seed=trainer.prefix_seed)
     n = len(built.splits["train"])
     if ckpt is not None and ckpt.get("n_train") != n:
@@ -228,7 +230,7 @@ class _Loop:
         """The private state (private/, a sharded run's shards), then checkpoint.pt, then the older private state
         pruned."""
         s, trainer = self.state, self.trainer
-        trainer.save_private(s.step)  # private/ (and a sharded run's shards), before the checkpoint
+        trainer.save_private(s.step, best=s.best)  # private/ (a sharded run's part of the checkpoint), first
         state = {"model": trainer.module.state_dict(), "step": s.step, "history": s.history,
                  "elapsed": s.training_seconds(), "config_hash": self.cfg.hash(), "best": s.best, "n_train": self.n,
                  **trainer.state_dict()}

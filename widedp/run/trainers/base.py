@@ -78,7 +78,10 @@ class Trainer(Protocol):
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None: ...
 
-    def save_private(self, step: int) -> None: ...
+    def save_private(self, step: int, *, best: dict[str, Any] | None = None) -> None:
+        """What this process alone holds at checkpoint ``step`` (generator states; a sharded run's part of the
+        checkpoint), written before checkpoint.pt; ``best``: ``train.keep_best``'s epoch, valid loss and weights
+        (``module.state_dict()``), which a trainer whose weights are not in checkpoint.pt saves too."""
 
     def prune_private(self, step: int) -> None: ...
 

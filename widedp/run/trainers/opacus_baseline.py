@@ -263,7 +263,7 @@ class OpacusTrainer(PrivateTrainer):
             history.append((self.dp.noise_multiplier, self.sampling_rate, self.ledger.steps - checkpointed.steps))
         self.engine.accountant.history = history
 
-    def save_private(self, step: int) -> None:
+    def save_private(self, step: int, *, best: dict[str, Any] | None = None) -> None:
         rng.save_states(self.out, step, {"noise": self.noise_gen.get_state(), "sampling": self.sample_gen.get_state()})
 
     def report(self, *, stopped: bool) -> Report:

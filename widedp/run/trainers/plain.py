@@ -79,7 +79,7 @@ class NonPrivateTrainer:
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(ckpt["optimizer"])
 
-    def save_private(self, step: int) -> None:
+    def save_private(self, step: int, *, best: dict[str, Any] | None = None) -> None:
         pass
 
     def prune_private(self, step: int) -> None:

@@ -25,10 +25,20 @@ shards``: RUN/dcp-STEP/, each rank its blocks), so a run resumes on another numb
 optimizer state resharded; its old per-rank random streams cannot carry over, so it then draws fresh secret
 randomness (rank 0's fresh seeds) and every step the journal recorded stays charged (``_resumed_ledger``).
 
-Refused (one-line errors naming the key): ``dp.engine: opacus``, privacy units other than one sample
-(``data.privacy_unit``), ``data.vocabulary: dp``, ``train.keep_best``, tasks without a sharded model (``module``),
-a run without a ``dp:`` section (``widedp.run.trainers.make_trainer``), and the step's options the row-block layout
-refuses (``RowBlocks.refuses``: ``dp.preselect``; ``widedp.dp.layout.check_options``, called by ``setup``).
+Every privacy unit and option of the one-process trainer, equal in law and in ε:
+
+- privacy units (sentence, document, user): one Poisson batch of units from the shared sampling seed; each rank
+  merges its own rows of a unit's samples (``widedp.dp.units.group_rows``) and ``RowBlocks`` sums the unit's squared
+  norm over the ranks, so each unit is clipped over all its rows;
+- ``data.vocabulary: dp``: drawn once, by rank 0's build with the run's secret seed, and sent to the other ranks'
+  builds (``widedp.distributed.ranks.share_release``), which load it;
+- ``dp.preselect``: drawn (or loaded) once by rank 0 with its secret generator, sent to the others (``_preselect``);
+- ``train.keep_best``: the collective evaluation gives every rank the same losses, hence the same best epoch; each
+  rank keeps its own blocks of it (``RankModel``), in the DCP checkpoint too (``best.*``), and rank 0's
+  checkpoint.pt records which epoch.
+
+Refused (one-line errors naming the key): ``dp.engine: opacus``, tasks without a sharded model (``module``), a run
+without a ``dp:`` section (``widedp.run.trainers.make_trainer``).
 """
 
 from __future__ import annotations
@@ -45,10 +55,11 @@ from torch import nn
 from widedp import accounting
 from widedp.config import Config
 from widedp.distributed import ranks, shards
-from widedp.dp import rng, units
+from widedp.dp import rng
 from widedp.dp.layout import RowBlocks
 from widedp.dp.optim import make_row_optimizer
 from widedp.errors import ConfigError
+from widedp.run import preselect_setup
 from widedp.run.trainers.sparse import SparseDPTrainer
 from widedp.tasks.protocol import Built, Task
 
@@ -96,26 +107,32 @@ def check_shardable(cfg: Config) -> None:
         raise ConfigError("dp: training on several processes is for DP runs (widedp's sharded DP step); train a "
                           "non-private config on one process")
     if dp.engine != "widedp":
-        raise ConfigError(f"dp.engine: {dp.engine} runs on one process; several processes need dp.engine: widedp")
-    if not units.is_per_sample(cfg):
-        raise ConfigError(f"data.privacy_unit: {units.privacy_unit(cfg)} is not available on several processes "
-                          "(one sample per unit only: pair, interaction)")
-    if getattr(cfg.data, "vocabulary", None) == "dp":
-        raise ConfigError("data.vocabulary: dp is not available on several processes; use file:PATH or top")
-    if cfg.train.keep_best:
-        raise ConfigError("train.keep_best: not available on several processes")
+        raise ConfigError(f"dp.engine: {dp.engine} runs on one process (Opacus' per-layer noise has no row blocks); "
+                          "several processes need dp.engine: widedp")
 
 
 class RankModel(nn.Module):
-    """The run's model as the loop sees it on a rank (``Trainer.module``): no weights of its own, so checkpoint.pt
-    holds none; they are in the DCP checkpoint the trainer writes."""
+    """The run's model as the loop sees it on a rank (``Trainer.module``): this rank's blocks (``blocks()``: [(the
+    task model's key, this rank's table)]). ``state_dict`` is what ``train.keep_best`` keeps of them; checkpoint.pt
+    holds none (``ShardedDPTrainer.state_dict``): the weights are in the DCP checkpoint."""
+
+    def __init__(self, blocks: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:
+        super().__init__()
+        self.blocks = blocks
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return {}
+        return {k: w.detach() for k, w in self.blocks()}
 
+    @torch.no_grad()
     def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> None:
-        if state:
+        """Copy ``state`` (a ``state_dict()``) into the blocks; {} (a sharded checkpoint.pt's model): nothing."""
+        if not state:
+            return
+        mine = dict(self.blocks())
+        if set(state) != set(mine) or any(state[k].shape != w.shape for k, w in mine.items()):
             raise ConfigError("checkpoint.pt holds a whole model (a one-process run's); resume it on one process")
+        for k, w in mine.items():
+            w.copy_(state[k])
 
 
 @torch.no_grad()
@@ -147,6 +164,7 @@ class ShardedDPTrainer(SparseDPTrainer):
         self.is_writer = self.rank == 0
         self._named: str | None = None  # the DCP folder checkpoint.pt names
         self._written: str | None = None  # the DCP folder of the checkpoint being written
+        self._best: dict[str, Any] = {}  # train.keep_best's epoch and valid loss (the blocks: in the DCP folder)
         super().__init__(cfg, out, device=device, resumed=resumed)
 
     def _run_seeds(self, *, resumed: bool) -> tuple[rng.RunSeeds, bool]:
@@ -172,10 +190,32 @@ class ShardedDPTrainer(SparseDPTrainer):
         self.shared_gen = torch.Generator(device=self.device)
         self.row_layout = RowBlocks(self.sharded.shard, shared=self.shared_gen)
         super().setup(built, task)
-        self.module = RankModel()
+        self.module = RankModel(self._tables)
         self._model = self.grad_model = built.model = self.sharded  # this rank's rows (the task's finish included)
         _release_tables(full)
         self._seed_rank_generators()
+
+    def _preselect(self) -> preselect_setup.Preselection | None:
+        """``dp.preselect``: drawn (or, on resume, loaded) by rank 0 alone, with its secret generator and the task's
+        full model, kept in RUN/private/, then sent to the other ranks: drawn once, charged once (the ledger's
+        prefix, the same on every rank)."""
+        if self.cfg.dp is None or self.cfg.dp.preselect is None:
+            return None
+        pre, error = None, None
+        if self.rank == 0:
+            try:  # a resumed run loads it (its full model may hold no tables: the blocks give the device)
+                pre = (preselect_setup.setup(self.cfg, self.out, model=self.sharded, split=self._split,
+                                             grouped=self.grouped, noise_seed=self.seeds.noise, resume=True)
+                       if self.resumed else super()._preselect())
+            except ConfigError as e:
+                error = str(e)
+        ranks.agree(error)
+        head = [pre.rows.numel(), pre.num_rows, pre.always] if pre is not None else None
+        k, num_rows, always = ranks.broadcast_ints(head, count=3, device=self.device)
+        rows = (pre.rows.to(self.device, torch.long).contiguous() if pre is not None
+                else torch.empty(k, dtype=torch.long, device=self.device))
+        dist.broadcast(rows, src=0)
+        return preselect_setup.Preselection(rows, num_rows, always)
 
     def _reseed(self) -> None:
         super()._reseed()
@@ -197,22 +237,36 @@ class ShardedDPTrainer(SparseDPTrainer):
     def eval_model(self) -> Any:
         return self.sharded  # its forward is a collective: every rank evaluates
 
-    def _entries(self) -> dict[str, shards.Block]:
-        """This rank's part of a checkpoint: its table blocks (in place) and its row optimizer's state."""
+    def _tables(self) -> list[tuple[str, torch.Tensor]]:
+        """[(the task model's key, this rank's table)], in the row optimizer's order."""
+        return [(k, w) for k, (_, w) in zip(self.sharded.table_keys(), self.sharded.local_tables())]
+
+    def _entries(self, best: dict[str, torch.Tensor] | None = None) -> dict[str, shards.Block]:
+        """This rank's part of a checkpoint: its table blocks (in place), its row optimizer's state and, with
+        ``best``, ``train.keep_best``'s blocks (keys as ``RankModel.state_dict()``)."""
         s = self.sharded
-        tables = [(k, w) for k, (_, w) in zip(s.table_keys(), s.local_tables())]
-        return shards.blocks(tables, self.optimizer.state_dict(), s.shard)
+        out = shards.blocks(self._tables(), self.optimizer.state_dict(), s.shard)
+        if best:
+            out.update(shards.blocks([(k, best[k]) for k, _ in self._tables()], {}, s.shard, prefix="best"))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ledger": self.ledger.to_json(), "world_size": self.world, "dcp": self._written}
+        state = {"ledger": self.ledger.to_json(), "world_size": self.world, "dcp": self._written, "model": {}}
+        if self._best:  # (its weights are in the DCP checkpoint)
+            state["best"] = {**self._best, "model": {}}
+        return state
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
         step, name = ckpt["step"], ckpt.get("dcp")
         ranks.agree(shards.check(self.out, name))
-        entries = self._entries()
+        best = ckpt.get("best") or {}
+        kept = {k: torch.empty_like(w) for k, w in self._tables()} if "epoch" in best else None
+        entries = self._entries(kept)
         ranks.agree(shards.load(self.out, name, entries))
         self.optimizer.load_state_dict({k.removeprefix("optim."): b.local for k, b in entries.items()
                                         if k.startswith("optim.")})
+        if kept is not None:
+            best["model"] = kept  # this rank's blocks of the best epoch, where the loop reads them (RunState)
         self._named = name
         was = int(ckpt.get("world_size", self.world))
         replay = was == self.world and self._restore_generators(step)
@@ -256,11 +310,12 @@ class ShardedDPTrainer(SparseDPTrainer):
         except ConfigError as e:
             return None, str(e)
 
-    def save_private(self, step: int) -> None:
+    def save_private(self, step: int, *, best: dict[str, Any] | None = None) -> None:
         rng.save_states(self.out, step, {"noise": self.noise_gen.get_state(), "shared": self.shared_gen.get_state()},
                         rank=self.rank)
+        self._best = {k: v for k, v in (best or {}).items() if k != "model"}
         self._written = shards.folder_name(step, self._named)
-        shards.save(self.out, self._written, self._entries())
+        shards.save(self.out, self._written, self._entries((best or {}).get("model")))
         dist.barrier()  # every rank's files of ``step`` are written before checkpoint.pt names them
 
     def prune_private(self, step: int) -> None:

@@ -61,8 +61,7 @@ class SparseDPTrainer(PrivateTrainer):
         # one-shot row pre-selection, dp.preselect, drawn here), calibration, the per-step spend, the budget cap,
         # and the selector every step uses (over the pre-selected rows only).
         self._plan(num_rows=self.module.num_rows, n=n_dp)
-        self.pre = preselect_setup.setup(cfg, self.out, model=self.module, split=self._split, grouped=self.grouped,
-                                         noise_seed=self.seeds.noise, resume=self.resumed)  # kept in RUN/private/
+        self.pre = self._preselect()
         self.selector = preselect_setup.restrict_selector(
             make_selector(self.dp.selection, num_rows=self.module.num_rows,
                           table_starts=table_starts(self.module)), self.pre)
@@ -75,6 +74,11 @@ class SparseDPTrainer(PrivateTrainer):
                 self.unit_info.update({"max_samples_per_unit": self.grouped.cap,
                                        "samples_dropped_by_cap": self.grouped.dropped})
             self.unit_info.update(built.notes)
+
+    def _preselect(self) -> preselect_setup.Preselection | None:
+        """``dp.preselect``'s kept rows (None without it), drawn once and kept in RUN/private/."""
+        return preselect_setup.setup(self.cfg, self.out, model=self.module, split=self._split, grouped=self.grouped,
+                                     noise_seed=self.seeds.noise, resume=self.resumed)
 
     def _make_sampler(self) -> Any:
         """The Poisson sampler of examples (or of units) seeded by ``self.seeds.sampling``."""
@@ -148,7 +152,7 @@ class SparseDPTrainer(PrivateTrainer):
             self._restart_randomness(step)
         self.ledger = self._resumed_ledger(ckpt, replayable=states is not None, lost=lost)
 
-    def save_private(self, step: int) -> None:
+    def save_private(self, step: int, *, best: dict[str, Any] | None = None) -> None:
         rng.save_states(self.out, step, {"noise": self.noise_gen.get_state()})
 
     def report(self, *, stopped: bool) -> Report:
