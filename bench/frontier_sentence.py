@@ -27,6 +27,7 @@ Cells are chosen on VALIDATION loss; add ``seeds: [0, 1]`` to the best (``SEEDS`
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from pathlib import Path
@@ -54,14 +55,29 @@ SETTINGS = {
             "title": "V = 10K, one Brown document (of 500) per unit"},
 }
 
-#: V = 10K, eps = 8: the cells run, in run order (of the grid of DP-SGD and public_top at lr 3e-3 and 1e-2, heads
-#: H in {1000, 2000, 5000}, the pooled threshold, the threshold with a head, non-private)
-EPS8_ORDER = ("dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.01", "gt_head-eps8-H2000-f0.25-t1", "public_top-eps8-H5000",
-              "gaussian_threshold-eps8-f0.25-t1", "public_top-eps8-H2000", "nonprivate", "public_top-eps8-H1000",
-              "public_top-eps8-H2000-lr0.01")
+EPSILONS = (1, 3, 8)
+LRS = (3e-3, 5e-3, 1e-2, 2e-2)
+
+#: file stem -> (setting, the cells it runs, in run order). The threshold cells name no lr at its config's 5e-3.
+SWEEPS = {
+    "frontier_sentence_v10k_eps8": ("v10k", (
+        "dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.01", "gt_head-eps8-H2000-f0.25-t1-lr0.01",
+        "public_top-eps8-H5000-lr0.01", "gaussian_threshold-eps8-f0.25-t1-lr0.01", "nonprivate", "dpsgd-eps8-lr0.02",
+        "gt_head-eps8-H5000-f0.25-t1-lr0.01", "gaussian_threshold-eps8-f0.25-t1", "public_top-eps8-H2000-lr0.01",
+        "gt_head-eps8-H1000-f0.25-t1-lr0.01")),
+    "frontier_sentence_v10k": ("v10k", (
+        "dpsgd-eps3-lr0.01", "gaussian_threshold-eps3-f0.25-t1-lr0.01", "dpsgd-eps1-lr0.01",
+        "gaussian_threshold-eps1-f0.25-t1-lr0.01", "dpsgd-eps3-lr0.003", "dpsgd-eps1-lr0.003")),
+    "frontier_sentence_v1k": ("v1k", (
+        "dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.01", "public_top-eps8-H250", "public_top-eps8-H500",
+        "gaussian_threshold-eps8-f0.25-t1", "nonprivate", "dpsgd-eps8-lr0.005", "dpsgd-eps3-lr0.003",
+        "gaussian_threshold-eps3-f0.25-t1", "dpsgd-eps1-lr0.003", "gaussian_threshold-eps1-f0.25-t1",
+        "dpsgd-eps3-lr0.005", "dpsgd-eps1-lr0.005", "dpsgd-eps3-lr0.01", "dpsgd-eps1-lr0.01")),
+    "frontier_document_v10k": ("doc", ("dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.02")),
+}
 
 #: setting -> cell -> seeds: a second seed for each mechanism's best cell (by validation loss) once it has finished
-SEEDS: dict[str, dict[str, list[int]]] = {"v1k": {"dpsgd-eps8-lr0.003": [0, 1]}}
+SEEDS: dict[str, dict[str, list[int]]] = {"v1k": {"dpsgd-eps8-lr0.003": [0, 1], "dpsgd-eps8-lr0.005": [0, 1]}}
 
 
 def steps(q: float) -> int:
@@ -84,30 +100,50 @@ def dp_sets(v: str, eps: float, extra: dict) -> dict:
             "dp.accountant": "pld", "dp.calibrate": "noise_multiplier", "dp.target_epsilon": float(eps), **extra}
 
 
-def gt(v: str, eps: float, f: float = 0.25, **more: int) -> dict:
+@functools.cache
+def sigma_dpsgd(v: str, eps: float) -> float:
     q = SETTINGS[v]["q"]
-    sigma = dpsgd_sigma(q, steps(q), eps)
+    return dpsgd_sigma(q, steps(q), eps)
+
+
+def gt(v: str, eps: float, f: float = 0.25, **more: int) -> dict:
+    sigma = sigma_dpsgd(v, eps)
     return {"name": "gaussian_threshold", "sigma": float(f"{sigma / math.sqrt(f):.4g}"), "threshold_sigmas": 1.0,
             **more}
 
 
-def cells(v: str, eps: float, *, heads: tuple[int, ...] | None = None, lrs: tuple[float, ...] = (3e-3,),
-          head_lrs: tuple[float, ...] = (3e-3,)) -> list[dict]:
-    """DP-SGD (per lr), public_top per head H (per lr: ``-lr`` suffix unless 3e-3), the pooled threshold."""
+def grid(v: str, eps: float) -> list[dict]:
+    """Every cell of setting ``v`` at ``eps``: DP-SGD per lr; public_top per head H and lr; the pooled threshold
+    (f = 0.25, tau = sigma_sel) per lr; the threshold with a public head per H and lr. A name carries ``-lr`` unless
+    the lr is its config's (DP-SGD always names it; public_top 3e-3, the threshold 5e-3)."""
     tag = f"eps{eps:g}"
     out: list[dict] = []
 
     def add(name: str, config: str, extra: dict) -> None:
         out.append({"name": name, "config": config, "set": dp_sets(v, eps, extra)})
 
-    for lr in lrs:
+    def lr_tag(lr: float, default: float) -> str:
+        return "" if lr == default else f"-lr{lr:g}"
+
+    for lr in LRS:
         add(f"dpsgd-{tag}-lr{lr:g}", "brown_cbow_dpsgd.yaml", {"train.lr": lr})
-    for h in heads if heads is not None else SETTINGS[v]["heads"]:
-        for lr in head_lrs:
-            add(f"public_top-{tag}-H{h}" + ("" if lr == 3e-3 else f"-lr{lr:g}"), "brown_cbow_dpsgd.yaml",
+    for h in SETTINGS[v]["heads"]:
+        for lr in LRS:
+            add(f"public_top-{tag}-H{h}{lr_tag(lr, 3e-3)}", "brown_cbow_dpsgd.yaml",
                 {"train.lr": lr, "dp.selection": {"name": "public_top", "rows_per_table": h}})
-    add(f"gaussian_threshold-{tag}-f0.25-t1", "brown_cbow_gaussian_threshold.yaml", {"dp.selection": gt(v, eps)})
+    for h in (None, *SETTINGS[v]["heads"]):
+        for lr in LRS:
+            sel = gt(v, eps) if h is None else gt(v, eps, public_head=h)
+            name = f"gaussian_threshold-{tag}" if h is None else f"gt_head-{tag}-H{h}"
+            add(f"{name}-f0.25-t1{lr_tag(lr, 5e-3)}", "brown_cbow_gaussian_threshold.yaml",
+                {"dp.selection": sel, "train.lr": lr})
     return out
+
+
+def pick(v: str, names: tuple[str, ...]) -> list[dict]:
+    """The cells ``names`` (``nonprivate`` included) of setting ``v``, in that order."""
+    by_name = {c["name"]: c for e in EPSILONS for c in grid(v, e)} | {"nonprivate": nonprivate(v)}
+    return [by_name[n] for n in names]
 
 
 def nonprivate(v: str) -> dict:
@@ -119,17 +155,7 @@ def nonprivate(v: str) -> dict:
 
 def sweeps() -> dict[str, tuple[str, list[dict]]]:
     """file stem -> (its setting, its runs in run order)."""
-    grid = cells("v10k", 8, heads=(2000, 5000, 1000), lrs=(3e-3, 1e-2), head_lrs=(3e-3, 1e-2)) + [
-        {"name": "gt_head-eps8-H2000-f0.25-t1", "config": "brown_cbow_gaussian_threshold.yaml",
-         "set": dp_sets("v10k", 8, {"dp.selection": gt("v10k", 8, public_head=2000)})}, nonprivate("v10k")]
-    by_name = {c["name"]: c for c in grid}
-    v10k_8 = [by_name[n] for n in EPS8_ORDER]
-    v10k = [c for e in (3, 1) for c in cells("v10k", e, heads=(2000,))]
-    v1k = cells("v1k", 8, lrs=(3e-3, 1e-2)) + [nonprivate("v1k")] + cells("v1k", 8, heads=(), lrs=(5e-3,))[:1]
-    v1k += [c for e in (3, 1) for c in cells("v1k", e, heads=())]
-    doc = cells("doc", 8, heads=(2000,))
-    return {"frontier_sentence_v10k_eps8": ("v10k", v10k_8), "frontier_sentence_v10k": ("v10k", v10k),
-            "frontier_sentence_v1k": ("v1k", v1k), "frontier_document_v10k": ("doc", doc)}
+    return {stem: (v, pick(v, names)) for stem, (v, names) in SWEEPS.items()}
 
 
 def write(stem: str, v: str, runs: list[dict]) -> Path:

@@ -22,7 +22,8 @@ running() { [[ -f "$OUT/lane$1.pid" ]] && kill -0 "$(cat "$OUT/lane$1.pid")" 2>/
 
 start() {  # start lane $1 over the sweep files $2
   if running "$1"; then echo "lane $1 runs (pid $(cat "$OUT/lane$1.pid"))"; return; fi
-  setsid nohup nice -n 19 bash -c "for f in $2; do .venv/bin/widedp compare \"\$f\" --out $OUT/\$(setting \$f) \
+  # two passes: the second runs what was added to a file after the lane had passed it (finished cells are reused)
+  setsid nohup nice -n 19 bash -c "for f in $2 $2; do .venv/bin/widedp compare \"\$f\" --out $OUT/\$(setting \$f) \
     --keep-going --no-progress || true; done" >> "$OUT/lane$1.log" 2>&1 &
   echo $! > "$OUT/lane$1.pid"  # a session of its own: its pid is the process group that `stop` ends
   echo "lane $1 started (pid $!): $2; log $OUT/lane$1.log"
@@ -31,7 +32,7 @@ start() {  # start lane $1 over the sweep files $2
 case "${1:-}" in
   start) if [[ "${2:-1}" == 1 ]]; then start 1 "$LANE1"; fi
          if [[ "${2:-2}" == 2 ]]; then start 2 "$LANE2"; fi ;;
-  stop) for n in ${2:-1 2}; do if running "$n"; then kill -- "-$(cat "$OUT/lane$n.pid")" && echo "lane $n stopped"
-        fi; done ;;
+  stop) for n in ${2:-1 2}; do if running "$n"; then kill -- "-$(cat "$OUT/lane$n.pid")"
+          for _ in $(seq 30); do running "$n" || break; sleep 1; done; echo "lane $n stopped"; fi; done ;;
   *) echo "usage: $0 start|stop" >&2; exit 2 ;;
 esac
