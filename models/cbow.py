@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from widedp import native
 from widedp.dp.rowgrads import PerSampleRows
+from widedp.models.rowinit import Deferred
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,9 @@ class CBOW(nn.Module):
         self.dim = dim
         self.tied = tied
         self.sparse = sparse
+        self.init_scale = init_scale
+        #: built on the meta device for several processes: how each rank draws its own rows (``ShardedCBOW``)
+        self.deferred: Deferred | None = None
         self.input = nn.EmbeddingBag(vocab_size, dim, mode="mean", sparse=sparse)
         self.output = None if tied else nn.Embedding(vocab_size, dim, sparse=sparse)
         self._const_cache: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from widedp.dp.layout import RowShard
 from widedp.dp.rowgrads import PerSampleRows, coalesce
 from widedp.models.cbow import CBOW, CBOWBatch
+from widedp.models.rowinit import uniform_rows_
 
 
 def cbow_shard(model: CBOW, rank: int, world: int) -> RowShard:
@@ -34,16 +35,35 @@ def cbow_shard(model: CBOW, rank: int, world: int) -> RowShard:
     return RowShard(rank, world, (0,) if model.tied else (0, v), (v,) if model.tied else (v, v), 0)
 
 
+def own_blocks(model: CBOW, shard: RowShard) -> tuple[Tensor, Tensor | None]:
+    """(input block, output block or None when tied) of ``shard`` for a meta-device ``model``, drawn as ``CBOW``
+    draws its init (input rows ~ U(-a, a), a = init_scale / D; untied output rows zero) from ``model.deferred``'s
+    generator, on its device."""
+    init = model.deferred
+    if init is None:
+        raise ValueError("the model has no deferred initialisation (it was not built on the meta device)")
+    lo, hi = shard.lo, shard.hi
+    dtype = model.input.weight.dtype
+    inp = uniform_rows_(torch.empty(hi[0] - lo[0], model.dim, dtype=dtype, device=init.device), first=lo[0],
+                        num_rows=model.vocab_size, bound=model.init_scale / model.dim, generator=init.generator())
+    out = None if model.tied else torch.zeros(hi[1] - lo[1], model.dim, dtype=dtype, device=init.device)
+    return inp, out
+
+
 class ShardedCBOW(nn.Module):
-    """This rank's blocks of a ``CBOW`` (copied from ``model``). ``local_tables()`` are adjacent, for
-    ``widedp.dp.optim`` row optimizers over local ids (``widedp.dp.layout.RowBlocks.local``)."""
+    """This rank's blocks of a ``CBOW``: copied from ``model``, or, for a model built on the meta device
+    (``model.deferred``), drawn here: the one-process model's rows, bit for bit, without the whole table
+    (``widedp.models.rowinit``). ``local_tables()`` are adjacent, for ``widedp.dp.optim`` row optimizers over local
+    ids (``widedp.dp.layout.RowBlocks.local``)."""
 
     def __init__(self, model: CBOW, shard: RowShard) -> None:
         super().__init__()
         self.shard, self.vocab_size, self.tied, self.dim = shard, model.vocab_size, model.tied, model.dim
         lo, hi = shard.lo, shard.hi
-        self.input = nn.Parameter(model.input.weight.detach()[lo[0]:hi[0]].clone())
-        out = None if model.tied else model.output.weight.detach()[lo[1]:hi[1]].clone()
+        inp, out = own_blocks(model, shard) if model.deferred is not None else (
+            model.input.weight.detach()[lo[0]:hi[0]].clone(),
+            None if model.tied else model.output.weight.detach()[lo[1]:hi[1]].clone())
+        self.input = nn.Parameter(inp)
         self.output = None if out is None else nn.Parameter(out)
         self.register_buffer("lo", torch.tensor(lo), persistent=False)
         self.register_buffer("hi", torch.tensor(hi), persistent=False)

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
 from widedp.dp.rowgrads import PerSampleRows, PerSampleRowsWithDense, coalesce
+from widedp.models.rowinit import Deferred
 
 Layers = list[tuple[Tensor, Tensor]]
 
@@ -99,6 +100,17 @@ def dense_layers(flat: Tensor, shapes: Sequence[tuple[int, int]]) -> Layers:
         out.append((flat[at : at + o * i].view(o, i), flat[at + o * i : at + o * i + o]))
         at += o * i + o
     return out
+
+
+@torch.no_grad()
+def init_dense_(dense: Tensor, shapes: Sequence[tuple[int, int]], *, generator: torch.Generator | None) -> Tensor:
+    """The MLP's init in place over ``dense`` [A, D] (``dense_layers``' layout): each layer's weight then its bias
+    ~ U(±1/sqrt(fan_in)), ``nn.Linear``'s default bounds; the padding stays as it is. Returns ``dense``."""
+    for w, c in dense_layers(dense.view(-1), shapes):
+        bound = 1.0 / math.sqrt(w.shape[1])
+        w.uniform_(-bound, bound, generator=generator)
+        c.uniform_(-bound, bound, generator=generator)
+    return dense
 
 
 def _features(e: Tensor, pairs: Tensor | None) -> Tensor:
@@ -265,14 +277,14 @@ class RecsysModel(nn.Module):
         pairs = torch.triu_indices(nf, nf, 1, device=device) if interaction and nf > 1 else None
         self.register_buffer("pairs", pairs, persistent=False)
         self.register_buffer("row_offsets", torch.tensor(self.table_offsets, device=device), persistent=False)
+        self.init_scale = init_scale
+        #: built on the meta device for several processes: how each rank draws its own rows (``ShardedRecsys``)
+        self.deferred: Deferred | None = None
         with torch.no_grad():
             for bag in self.ebc.embedding_bags.values():
                 bag.sparse = sparse
                 bag.weight.uniform_(-init_scale, init_scale, generator=generator)
-            for w, c in self.layers():
-                bound = 1.0 / math.sqrt(w.shape[1])
-                w.uniform_(-bound, bound, generator=generator)
-                c.uniform_(-bound, bound, generator=generator)
+        init_dense_(self.dense, self.shapes, generator=generator)
 
     @property
     def total_rows(self) -> int:

@@ -41,8 +41,10 @@ from widedp.models.recsys import (
     entry_grads,
     head_grads,
     head_logits,
+    init_dense_,
     with_dense_rows,
 )
+from widedp.models.rowinit import uniform_rows_
 
 
 def shard_of(model: RecsysModel, rank: int, world: int) -> RowShard:
@@ -52,26 +54,50 @@ def shard_of(model: RecsysModel, rank: int, world: int) -> RowShard:
     return RowShard(rank, world, tuple(model.table_offsets), tuple(model.sizes), model.num_dense_rows)
 
 
+def draw_own_rows(model: RecsysModel, shard: RowShard, blocks: Sequence[Tensor]) -> Tensor:
+    """Fill ``blocks`` (this rank's block of each table, in table order) with the rows a meta-device ``model`` would
+    hold, drawn as ``RecsysModel`` draws its init from ``model.deferred``'s generator (every table's rows ~
+    U(-init_scale, init_scale), then the MLP); returns the MLP's rows [A, D] on the deferred device."""
+    init = model.deferred
+    if init is None:
+        raise ValueError("the model has no deferred initialisation (it was not built on the meta device)")
+    gen = init.generator()
+    for block, n, lo in zip(blocks, model.sizes, shard.lo):
+        uniform_rows_(block.data, first=lo, num_rows=n, bound=model.init_scale, generator=gen)
+    dense = torch.zeros(model.num_dense_rows, model.dim, dtype=model.dense.dtype)
+    return init_dense_(dense, model.shapes, generator=gen).to(init.device)
+
+
 class ShardedRecsys(nn.Module):
-    """This rank's part of a ``RecsysModel``: its own row blocks in a weighted torchrec EBC, the dense rows
-    replicated. ``local_tables()`` are adjacent (for ``widedp.dp.optim`` row optimizers over local ids)."""
+    """This rank's part of a ``RecsysModel``: its own row blocks in a weighted torchrec EBC (copied from ``model``,
+    or, for a model built on the meta device, ``model.deferred``, drawn here by ``draw_own_rows``: the one-process
+    model's rows, bit for bit, without the whole table), the dense rows replicated. ``local_tables()`` are adjacent
+    (for ``widedp.dp.optim`` row optimizers over local ids)."""
 
     def __init__(self, model: RecsysModel, shard: RowShard) -> None:
         super().__init__()
         self.shard = shard
         self.features, self.dim, self.pooling = model.features, model.dim, model.pooling
         self.shapes = model.shapes
-        dev = model.dense.device
+        deferred = model.deferred
+        dev = model.dense.device if deferred is None else deferred.device
         self.ebc = EmbeddingBagCollection(
             tables=[EmbeddingBagConfig(name=f"t_{f}", embedding_dim=self.dim, num_embeddings=n, feature_names=[f],
                                        pooling=PoolingType.SUM) for f, n in zip(self.features, shard.own_sizes)],
             is_weighted=True, device=dev)
-        with torch.no_grad():
-            for f, w, lo, hi in zip(self.features, model.tables(), shard.lo, shard.hi):
-                self.ebc.embedding_bags[f"t_{f}"].weight.copy_(w[lo:hi])
-        self.dense = nn.Parameter(model.dense.detach().clone())
-        self.register_buffer("pairs", model.pairs, persistent=False)
-        self.register_buffer("row_offsets", model.row_offsets, persistent=False)
+        blocks = [self.ebc.embedding_bags[f"t_{f}"].weight for f in self.features]
+        if deferred is None:
+            with torch.no_grad():
+                for block, w, lo, hi in zip(blocks, model.tables(), shard.lo, shard.hi):
+                    block.copy_(w[lo:hi])
+            dense = model.dense.detach().clone()
+        else:
+            dense = draw_own_rows(model, shard, blocks)
+        self.dense = nn.Parameter(dense)
+        nf = len(self.features)
+        self.register_buffer("pairs", None if model.pairs is None else torch.triu_indices(nf, nf, 1, device=dev),
+                             persistent=False)
+        self.register_buffer("row_offsets", torch.tensor(model.table_offsets, device=dev), persistent=False)
         off, lo, size, _ = shard.tensors(dev)
         self.register_buffer("lo", lo, persistent=False)
         self.register_buffer("own_size", size, persistent=False)

@@ -25,7 +25,9 @@ from widedp.dp import rng, units
 from widedp.dp import vocab as vocab_dp
 from widedp.errors import ConfigError
 from widedp.models.cbow import CBOW, CBOWBatch
+from widedp.models.rowinit import Deferred
 from widedp.resources import check_tables_fit
+from widedp.tasks import placement
 from widedp.tasks.base import LoopTask
 from widedp.tasks.protocol import Built, Shape
 
@@ -128,18 +130,25 @@ class SplitDataset(Dataset):
         return b.target, b.context, b.negatives
 
 
-def build_cbow(cfg: Config, out: Path, *, device: torch.device, data: CBOWData | None = None
+def build_cbow(cfg: Config, out: Path, *, device: torch.device, data: CBOWData | None = None, meta: bool = False
                ) -> tuple[dict[str, SplitTensors], CBOW]:
-    """CBOW task: prepared splits (as tensors on ``device``) and the model; writes ``out/vocab.json``."""
+    """CBOW task: prepared splits (as tensors on ``device``) and the model; writes ``out/vocab.json``. ``meta``: the
+    model on the meta device (no storage; several processes: ``widedp.tasks.placement``), its init deferred to each
+    rank's ``ShardedCBOW``, which draws its own rows of the weights built here otherwise."""
     data = data if data is not None else prepare_cbow(cfg.data)
     splits = {k: SplitTensors.of(getattr(data, k), device) for k in ("train", "valid", "test")}
     (out / "vocab.json").write_text(json.dumps(data.vocab))
     tables = 1 if cfg.model.tied else 2
     check_tables_fit(tables * len(data.vocab), cfg.model.dim, device=device,
                      what=f"{tables} x {len(data.vocab):,} rows")
-    init_gen = torch.Generator().manual_seed(cfg.train.seed)
-    model = CBOW(len(data.vocab), cfg.model.dim, tied=cfg.model.tied, sparse=cfg.model.sparse,
-                 init_scale=cfg.model.init_scale, generator=init_gen).to(device)
+    shape = dict(tied=cfg.model.tied, sparse=cfg.model.sparse, init_scale=cfg.model.init_scale)
+    if meta:
+        with torch.device("meta"):
+            model = CBOW(len(data.vocab), cfg.model.dim, **shape)
+        model.deferred = Deferred(cfg.train.seed, device)
+    else:
+        init_gen = torch.Generator().manual_seed(cfg.train.seed)
+        model = CBOW(len(data.vocab), cfg.model.dim, **shape, generator=init_gen).to(device)
     if cfg.data.negatives_pool:
         pool = NegativePool.of(np.asarray(data.counts, dtype=np.float64) ** 0.75, cfg.data.negatives_pool,
                                row_offset=model.num_rows - model.vocab_size, device=device)
@@ -178,7 +187,8 @@ class CBOWTask(LoopTask):
     def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None,
               resumed: bool = False) -> Built:
         data, release = cbow_data(cfg, out, data=data, noise_seed=noise_seed, resumed=resumed)
-        splits, model = build_cbow(cfg, out, device=device, data=data)
+        splits, model = build_cbow(cfg, out, device=device, data=data,
+                                   meta=placement.tables_on_meta(cfg, resumed=resumed))
         return Built(splits, model, {"vocabulary": release.mechanism} if release is not None else {})
 
     def shape(self, cfg: Config) -> Shape:

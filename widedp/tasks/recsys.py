@@ -35,8 +35,10 @@ from widedp.data_prep.splits import counted
 from widedp.dp import units
 from widedp.errors import ConfigError
 from widedp.models.recsys import RecsysModel
+from widedp.models.rowinit import Deferred
 from widedp.resources import check_tables_fit
 from widedp.run.checkpoint import write_json
+from widedp.tasks import placement
 from widedp.tasks.base import LoopTask
 from widedp.tasks.protocol import Built
 
@@ -56,14 +58,20 @@ COUNTED_SPLITS_NOT_COVERED = ("data.splits given as counts: each split's rate n/
 
 
 def build_model(cardinality: dict[str, int], cfg: RecsysModelConfig, *, seed: int,
-                device: torch.device | str = "cpu") -> RecsysModel:
+                device: torch.device | str = "cpu", meta: bool = False) -> RecsysModel:
     """The model for tables of ``cardinality``; initialised on the CPU from ``seed`` (same weights on any
-    device), then moved to ``device``."""
+    device), then moved to ``device``. ``meta``: on the meta device (no storage; several processes:
+    ``widedp.tasks.placement``), its init deferred to each rank's ``ShardedRecsys``, which draws its own rows of the
+    weights built here otherwise."""
     check_tables_fit(sum(cardinality.values()), cfg.dim, device=device,
                      what=f"{len(cardinality)} tables of {sum(cardinality.values()):,} rows")
-    gen = torch.Generator().manual_seed(seed)
-    model = RecsysModel(cardinality, dim=cfg.dim, hidden=cfg.hidden, pooling=cfg.pooling,
-                        interaction=cfg.interaction, sparse=cfg.sparse, init_scale=cfg.init_scale, generator=gen)
+    shape = dict(dim=cfg.dim, hidden=cfg.hidden, pooling=cfg.pooling, interaction=cfg.interaction, sparse=cfg.sparse,
+                 init_scale=cfg.init_scale)
+    if meta:
+        model = RecsysModel(cardinality, **shape, device="meta")
+        model.deferred = Deferred(seed, torch.device(device))
+        return model
+    model = RecsysModel(cardinality, **shape, generator=torch.Generator().manual_seed(seed))
     return model.to(device)
 
 
@@ -142,7 +150,8 @@ class RecsysTask(LoopTask):
                                                        "positive_rate": data.positive_rate}))
         if data.ids is not None:
             write_json(out / IDS_FILE, ids_document(data), indent=None)
-        return Built(splits, build_model(data.cardinality, cfg.model, seed=cfg.train.seed, device=device))
+        return Built(splits, build_model(data.cardinality, cfg.model, seed=cfg.train.seed, device=device,
+                                         meta=placement.tables_on_meta(cfg, resumed=resumed)))
 
     def units(self, cfg: Config, split: Any, *, device: torch.device | str) -> units.Units | None:
         """User units: the raw user of each interaction (the ``user`` feature's row, or with hashed ids, where
