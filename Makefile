@@ -1,7 +1,7 @@
 # The two commands a new user runs (see README.md). Both create .venv with pinned dependencies on first use.
 SHELL := /bin/bash
 VENV := .venv
-CONFIG ?= configs/brown_cbow_sparse_exp.yaml
+CONFIG ?= configs/brown_cbow_sentence_wordfreq.yaml
 # Use the project's bundled NLTK data when it sits beside the checkout (CI); otherwise nltk downloads it.
 ifneq ($(wildcard ../shared/nltk_data),)
 export NLTK_DATA ?= $(abspath ../shared/nltk_data)

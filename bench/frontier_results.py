@@ -161,17 +161,18 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     vs = sorted({k[0] for k in best}, key=rows_of.get)
     mechs_all = sorted({k[1] for k in best if k[1] not in ("non-private", "DP-SGD")})
     cmap = plt.get_cmap("tab20")
-    colors = {m: cmap(i % 20) for i, m in enumerate(mechs_all)} | {"DP-SGD": "black"}
+    colors = ({m: cmap(i % 20) for i, m in enumerate(mechs_all)}
+              | {"DP-SGD": "black", "DP-SGD + negatives pool": "dimgray"})
     fig, axes = plt.subplots(1, len(vs), figsize=(5.5 * len(vs), 5.2), squeeze=False)
     handles: dict[str, Any] = {}
     for ax, v in zip(axes[0], vs):
         mechs = sorted({k[1] for k in best if k[0] == v and k[1] != "non-private"})
-        dpsgd = [c["test_loss"] for k, c in best.items() if k[0] == v and k[1] == "DP-SGD"]
+        dpsgd = [c["test_loss"] for k, c in best.items() if k[0] == v and k[1].startswith("DP-SGD")]
         top = max(dpsgd) + 0.8 if dpsgd else None  # cells far above DP-SGD are off-scale (in the table / JSON)
         for m in mechs:
             pts = sorted((c["epsilon"], c["test_loss"], c) for k, c in best.items() if k[0] == v and k[1] == m)
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            bold = m == "DP-SGD" or "negatives pool" in m and m.startswith("gaussian")
+            bold = m.startswith("DP-SGD") or "negatives pool" in m and m.startswith("gaussian")
             (line,) = ax.plot(xs, ys, "o-", label=m, color=colors[m], lw=2.5 if bold else 1.2)
             handles.setdefault(m, line)
             for x, y, c in pts:
