@@ -89,8 +89,8 @@ def test_tables_larger_than_free_memory_are_refused_naming_model_dim(monkeypatch
 
 
 @pytest.mark.slow
-def test_the_shipped_default_job_allows_its_delta_explicitly(brown_cache, capsys):
-    """δ = 1e-5 on the default job's 199,584 pairs is not below 1/N: refused (exit 2, one line) once the config's
+def test_the_shipped_pair_level_job_allows_its_delta_explicitly(brown_cache, capsys):
+    """δ = 1e-5 on the pair-level job's 199,584 pairs is not below 1/N: refused (exit 2, one line) once the config's
     explicit dp.allow_large_delta is taken away; a δ below 1/N needs no opt-out."""
     cfg, cache = "configs/brown_cbow_sparse_exp.yaml", f"data.cache_dir={brown_cache}"
     assert main(["epsilon", cfg, "--set", cache, "--set", "dp.allow_large_delta=false"]) == 2
