@@ -14,8 +14,9 @@ single-process run's DP step:
 - noise: each selected row's noise is drawn once, by its owner, with the owner's own generator;
 - the ledger is the single process's (``PrivateTrainer``); rank 0 writes the journal and the run's files.
 
-Once the blocks are cut, the task's full model is emptied (its tables released): no rank holds a whole table while
-it trains, evaluates (collectively), checkpoints or runs the task's final metrics (collectively).
+The task's model is built on the meta device (``widedp.tasks.placement``; rank 0 of a new ``dp.preselect`` run
+alone builds it whole, and it is emptied once the blocks are cut): no rank holds a whole table while it trains,
+evaluates (collectively), checkpoints or runs the task's final metrics (collectively).
 
 Secrets: rank 0 draws (or, on resume, reads) the run's seeds (``widedp.dp.rng``) and sends them to the other ranks
 over the process group; each rank's generator is seeded from a secret derivation of the noise seed and its rank,
