@@ -61,10 +61,10 @@ LRS = (3e-3, 5e-3, 1e-2, 2e-2)
 #: file stem -> (setting, the cells it runs, in run order). The threshold cells name no lr at its config's 5e-3.
 SWEEPS = {
     "frontier_sentence_v10k_eps8": ("v10k", (
-        "dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.01", "gt_head-eps8-H2000-f0.25-t1-lr0.01",
-        "public_top-eps8-H5000-lr0.01", "gaussian_threshold-eps8-f0.25-t1-lr0.01", "nonprivate", "dpsgd-eps8-lr0.02",
-        "gt_head-eps8-H5000-f0.25-t1-lr0.01", "gaussian_threshold-eps8-f0.25-t1", "public_top-eps8-H2000-lr0.01",
-        "gt_head-eps8-H1000-f0.25-t1-lr0.01")),
+        "dpsgd-eps8-lr0.003", "gt_head-eps8-H2000-f0.25-t1-lr0.01", "public_top-eps8-H5000-lr0.01",
+        "gaussian_threshold-eps8-f0.25-t1-lr0.01", "nonprivate", "dpsgd-eps8-lr0.02", "dpsgd-eps8-lr0.01",
+        "gt_head-eps8-H5000-f0.25-t1-lr0.01", "gt_head-eps8-H1000-f0.25-t1-lr0.01", "public_top-eps8-H2000-lr0.01",
+        "gaussian_threshold-eps8-f0.25-t1")),
     "frontier_sentence_v10k": ("v10k", (
         "dpsgd-eps3-lr0.01", "gt_head-eps3-H2000-f0.25-t1-lr0.01", "dpsgd-eps1-lr0.01",
         "gt_head-eps1-H2000-f0.25-t1-lr0.01", "dpsgd-eps3-lr0.02", "dpsgd-eps1-lr0.02",
@@ -78,7 +78,8 @@ SWEEPS = {
 }
 
 #: setting -> cell -> seeds: a second seed for each mechanism's best cell (by validation loss) once it has finished
-SEEDS: dict[str, dict[str, list[int]]] = {"v1k": {"dpsgd-eps8-lr0.003": [0, 1], "dpsgd-eps8-lr0.005": [0, 1]}}
+SEEDS: dict[str, dict[str, list[int]]] = {"v1k": {"dpsgd-eps8-lr0.003": [0, 1], "dpsgd-eps8-lr0.005": [0, 1]},
+                                          "v10k": {"dpsgd-eps8-lr0.01": [0, 1]}}
 
 
 def steps(q: float) -> int:
