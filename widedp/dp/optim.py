@@ -42,6 +42,8 @@ class RowOptimizer(Protocol):
 
     def state_dict(self) -> dict[str, Tensor]: ...
 
+    def state_tensors(self) -> dict[str, Tensor]: ...
+
     def load_state_dict(self, d: dict[str, Tensor]) -> None: ...
 
 
@@ -97,6 +99,10 @@ class _Base:
     def state_dict(self) -> dict[str, Tensor]:
         """Tensors only (loads with torch.load(weights_only=True)); cloned."""
         return {k: v.detach().clone() for k, v in self._state().items()}
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        """``state_dict()``'s tensors themselves, not cloned: what a checkpoint writes, or loads into, in place."""
+        return self._state()
 
     def load_state_dict(self, d: dict[str, Tensor]) -> None:
         mine = self._state()

@@ -246,7 +246,7 @@ class ShardedDPTrainer(SparseDPTrainer):
         """This rank's part of a checkpoint: its table blocks (in place), its row optimizer's state and, with
         ``best``, ``train.keep_best``'s blocks (keys as ``RankModel.state_dict()``)."""
         s = self.sharded
-        out = shards.blocks(self._tables(), self.optimizer.state_dict(), s.shard)
+        out = shards.blocks(self._tables(), self.optimizer.state_tensors(), s.shard)  # in place: no copy of the state
         if best:
             out.update(shards.blocks([(k, best[k]) for k, _ in self._tables()], {}, s.shard, prefix="best"))
         return out
