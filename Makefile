@@ -8,7 +8,7 @@ export NLTK_DATA ?= $(abspath ../shared/nltk_data)
 endif
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup train test lint clean cuda-dry-run
+.PHONY: setup train test test-extended lint clean cuda-dry-run
 setup:
 	@bash scripts/setup_env.sh
 
@@ -18,6 +18,10 @@ train: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest
+
+# The multi-process cases CI leaves out (tests marked `extended`; about 10 minutes on 2 cores).
+test-extended: setup
+	$(VENV)/bin/pytest -m extended
 
 # Resolve the CUDA stack (torch, fbgemm-gpu, torchrec) without installing it: works on a CPU-only machine.
 cuda-dry-run:

@@ -259,6 +259,7 @@ def test_dmp_two_processes(tmp_path: Path) -> None:
     assert stats.chisquare(counts).pvalue > 1e-3, counts
 
 
+@pytest.mark.extended  # (column-wise over 2 of 3 ranks; CI runs the 2-process test)
 def test_dmp_three_processes(tmp_path: Path) -> None:
     ranks = _run(3, ["equal"], tmp_path)
     for r in ranks:

@@ -164,7 +164,7 @@ def test_signals_and_kill_9_of_the_launcher_on_two_processes(tmp_path):
     _interrupt(_start("--resume", str(run), nproc=2), run, signal.SIGINT, after=killed, nproc=2)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_an_exception_in_rank_1_is_one_line_naming_it(tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()  # rank 1 raises at its first log interval (step 25), after the first checkpoint

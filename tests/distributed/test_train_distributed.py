@@ -139,7 +139,8 @@ CASES = {"cbow": "", "cbow_pool": ", negatives_pool: 6", "cbow_sentence": SENTEN
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["cbow", "cbow_pool", "cbow_sentence", "cbow_options", "recsys", "recsys_user"])
+@pytest.mark.parametrize("task", [*(pytest.param(t, marks=pytest.mark.extended) for t in ("cbow", "cbow_sentence",
+                                   "recsys")), "cbow_pool", "cbow_options", "recsys_user"])
 def test_two_processes_equal_one_without_noise(tmp_path, task):
     cfg = _recsys(tmp_path, user=task == "recsys_user") if task.startswith("recsys") else _cbow(tmp_path,
                                                                                                  data=CASES[task])
@@ -343,7 +344,7 @@ def test_resume_on_another_number_of_processes_reshards_tables_and_optimizer(tmp
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_keep_best_survives_a_resume_on_another_number_of_processes(tmp_path):
     """train.keep_best at lr 5 (the validation loss is lowest after epoch 2 of 4): killed past its epoch-2
     checkpoint and resumed on 3 processes, the run ends with epoch 2's weights, read back resharded from the DCP
