@@ -102,14 +102,23 @@ def _doc(obj: Any) -> str:
 
 
 def _members(cls: type) -> list[tuple[str, Any]]:
-    """The public methods and properties a class defines itself (not dataclass machinery, not inherited)."""
-    out = []
-    for name, value in vars(cls).items():
-        if name.startswith("_") or not (inspect.isfunction(value) or isinstance(value, (property, staticmethod,
-                                                                                          classmethod))):
-            continue
-        out.append((name, value))
+    """The public methods and properties a class defines itself or takes from a widedp mixin (a base class of
+    widedp's that is not documented on its own, e.g. the engine's checkpoint methods); not dataclass machinery."""
+    out, seen = [], set()
+    mixins = [b for b in cls.__mro__[1:] if b.__module__.startswith("widedp") and b.__name__ not in _documented()]
+    for owner in (cls, *mixins):
+        for name, value in vars(owner).items():
+            if name.startswith("_") or name in seen or not (
+                    inspect.isfunction(value) or isinstance(value, (property, staticmethod, classmethod))):
+                continue
+            seen.add(name)
+            out.append((name, value))
     return out
+
+
+def _documented() -> set[str]:
+    """The names SECTIONS documents."""
+    return {n for _, _, names in SECTIONS for n in names or ()}
 
 
 def _fields(cls: type) -> str:
