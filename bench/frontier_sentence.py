@@ -68,7 +68,9 @@ SWEEPS = {
     "frontier_sentence_v10k": ("v10k", (
         "dpsgd-eps3-lr0.01", "gt_head-eps3-H2000-f0.25-t1-lr0.01", "dpsgd-eps1-lr0.01",
         "gt_head-eps1-H2000-f0.25-t1-lr0.01", "dpsgd-eps3-lr0.005", "dpsgd-eps1-lr0.005",
-        "gaussian_threshold-eps3-f0.25-t1-lr0.01", "gaussian_threshold-eps1-f0.25-t1-lr0.01")),
+        "gaussian_threshold-eps3-f0.25-t1-lr0.01", "gaussian_threshold-eps1-f0.25-t1-lr0.01",
+        "public_top-eps1-H2000-lr0.01", "public_top-eps1-H5000-lr0.01", "gt_head-eps1-H2000-f0.25-t1",
+        "dpsgd-eps1-lr0.003", "public_top-eps3-H5000-lr0.01")),
     "frontier_sentence_v1k": ("v1k", (
         "dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.01", "public_top-eps8-H250", "public_top-eps8-H500",
         "gaussian_threshold-eps8-f0.25-t1", "nonprivate", "dpsgd-eps8-lr0.005", "dpsgd-eps3-lr0.003",
