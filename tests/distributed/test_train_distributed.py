@@ -1,5 +1,5 @@
-"""``widedp train`` on two gloo processes (``widedp.distributed.ranks``, ``widedp.run.trainers.sharded``) against
-one process.
+"""``widedp train`` on two gloo processes (``widedp.distributed.ranks``, ``widedp.run.trainers.sharded``) against one
+process (tests marked ``extended`` run with ``make test-extended``, not in CI).
 
 - selection ``all`` and (almost) no noise: the 2-process run's final weights equal the 1-process run's (1e-6) and
   so do the ledgers (CBOW through torchrun, CBOW with a negatives pool and recsys through ``--nproc``);
@@ -245,7 +245,7 @@ def _kill_rank1_after_a_checkpoint(cfg: Path, out: Path) -> int:
     return _kill_after_a_checkpoint(out, str(cfg), "--out", str(out))[0]
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # (CI: the 2 -> 3 -> 2 resharding resume below kills and resumes too)
 def test_kill_9_of_one_rank_then_resume_matches_uninterrupted_run(tmp_path, capsys):
     cfg = _cbow(tmp_path, epochs=3, ckpt_every=25)  # 300 steps, dp.rng: reproducible (the reference repeats it)
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
@@ -279,6 +279,7 @@ def test_kill_9_of_one_rank_then_resume_matches_uninterrupted_run(tmp_path, caps
         assert torch.equal(sa[k], sb[k]), k
 
 
+@pytest.mark.extended  # (CI: the resharding resume draws fresh seeds on every rank)
 def test_resume_without_generator_states_takes_fresh_seeds_on_every_rank(tmp_path):
     """rng-STEP-rankR.pt lost (seeds.json kept): every rank continues from rank 0's fresh seeds, not from the old
     ones (which would redraw step 0's noise and the lost steps' batches), and the lost steps stay spent."""

@@ -1,4 +1,4 @@
-"""Rows chosen by a public ranking: the first H rows of each table, selected every step without looking at the data.
+"""Rows chosen by a public ranking: the first H rows of each table, selected every step whatever the batch holds.
 
 With a public vocabulary ordered by a public frequency (``data.vocabulary: wordfreq``: row id = the word's rank in
 wordfreq's list; ``file:PATH``: the list's order), the first H rows of each CBOW table are the H publicly most
