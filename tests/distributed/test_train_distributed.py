@@ -6,8 +6,7 @@ process (tests marked ``extended`` run with ``make test-extended``, not in CI).
 - the exponential mechanism with noise: the 2-process run's ledger is the 1-process run's and its losses are in
   the same range; that the sharded selection and noise follow the single-process LAW is tested by chi^2 in
   tests/dp/test_distributed.py (exponential mechanism) and tests/dp/selection/test_selection_distributed.py
-  (other selectors);
-  nothing secret lies outside private/;
+  (other selectors); nothing secret lies outside private/;
 - kill -9 of ONE rank, resume on one process (one-line error, exit 2), resume on the same N: the final weights and
   optimizer state are bit-equal to an uninterrupted 2-process run's, the journal is never lowered;
 - kill -9 of a 2-process run, resume on 3, kill -9 again, resume on 2 (every sample in every step, sigma -> 0): the
