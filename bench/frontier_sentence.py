@@ -1,11 +1,12 @@
 """Write the sentence- and document-level frontier sweeps with the public vocabulary (``data.vocabulary: wordfreq``):
 
     configs/frontier_sentence_v10k_eps8.yaml   V = 10K, eps = 8: every mechanism (the cells that decide)
-    configs/frontier_sentence_v10k.yaml        V = 10K, eps = 1 and 3: DP-SGD, the pooled threshold, the best head
+    configs/frontier_sentence_v10k.yaml        V = 10K, eps = 1 and 3: DP-SGD, the pooled threshold, the heads
+    configs/frontier_sentence_v10k_seeds.yaml  V = 10K, eps = 1 and 3: second seeds of the best cells, more lrs
     configs/frontier_sentence_v1k.yaml         V = 1K (paper preset), eps = 8: the default job's candidates
     configs/frontier_document_v10k.yaml        V = 10K, one document (a Brown file) per unit, eps = 8
 
-    .venv/bin/python bench/frontier_sentence.py      # regenerates the four files (seconds)
+    .venv/bin/python bench/frontier_sentence.py      # regenerates the five files (seconds)
     bash bench/frontier_sentence_lanes.sh start      # runs them in the background, two lanes (resume-safe)
     .venv/bin/python bench/frontier_sentence_status.py   # what finished, what runs, how to resume
 
@@ -67,10 +68,12 @@ SWEEPS = {
         "gaussian_threshold-eps8-f0.25-t1")),
     "frontier_sentence_v10k": ("v10k", (
         "dpsgd-eps3-lr0.01", "gt_head-eps3-H2000-f0.25-t1-lr0.01", "dpsgd-eps1-lr0.01",
-        "gt_head-eps1-H2000-f0.25-t1-lr0.01", "dpsgd-eps3-lr0.005", "dpsgd-eps1-lr0.005",
         "gaussian_threshold-eps3-f0.25-t1-lr0.01", "gaussian_threshold-eps1-f0.25-t1-lr0.01",
-        "public_top-eps1-H2000-lr0.01", "public_top-eps1-H5000-lr0.01", "gt_head-eps1-H2000-f0.25-t1",
-        "dpsgd-eps1-lr0.003", "public_top-eps3-H5000-lr0.01")),
+        "public_top-eps1-H2000-lr0.01", "public_top-eps1-H5000-lr0.01", "gt_head-eps1-H2000-f0.25-t1")),
+    # (the second lane's share of eps 1 and 3: the best cells' second seeds, more lrs and heads)
+    "frontier_sentence_v10k_seeds": ("v10k", (
+        "dpsgd-eps3-lr0.005", "dpsgd-eps1-lr0.005", "gt_head-eps1-H2000-f0.25-t1-lr0.01", "dpsgd-eps1-lr0.003",
+        "public_top-eps3-H5000-lr0.01")),
     "frontier_sentence_v1k": ("v1k", (
         "dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.01", "public_top-eps8-H250", "public_top-eps8-H500",
         "gaussian_threshold-eps8-f0.25-t1", "nonprivate", "dpsgd-eps8-lr0.005", "dpsgd-eps3-lr0.003",

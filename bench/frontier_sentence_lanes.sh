@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 OUT=bench/out/frontier_sentence
 mkdir -p "$OUT"
 export NLTK_DATA="${NLTK_DATA:-$(cd .. && pwd)/shared/nltk_data}" HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1
-LANE1="configs/frontier_sentence_v10k_eps8.yaml"
+LANE1="configs/frontier_sentence_v10k_eps8.yaml configs/frontier_sentence_v10k_seeds.yaml"
 LANE2="configs/frontier_sentence_v1k.yaml configs/frontier_document_v10k.yaml configs/frontier_sentence_v10k.yaml"
 
 setting() { case "$1" in *document*) echo doc ;; *v1k*) echo v1k ;; *) echo v10k ;; esac; }

@@ -25,7 +25,7 @@ import frontier_results
 from frontier_sentence import ROOT
 
 OUT = ROOT / "bench" / "out" / "frontier_sentence"
-LANES = {"1": ["frontier_sentence_v10k_eps8"],
+LANES = {"1": ["frontier_sentence_v10k_eps8", "frontier_sentence_v10k_seeds"],
          "2": ["frontier_sentence_v1k", "frontier_document_v10k", "frontier_sentence_v10k"]}
 
 

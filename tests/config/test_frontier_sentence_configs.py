@@ -13,6 +13,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 @pytest.mark.parametrize("name,unit,targets", [("frontier_sentence_v10k_eps8.yaml", "sentence", {8.0}),
                                                ("frontier_sentence_v10k.yaml", "sentence", {1.0, 3.0}),
+                                               ("frontier_sentence_v10k_seeds.yaml", "sentence", {1.0, 3.0}),
                                                ("frontier_sentence_v1k.yaml", "sentence", {1.0, 3.0, 8.0}),
                                                ("frontier_document_v10k.yaml", "document", {8.0})])
 def test_frontier_sentence_sweeps_load(name, unit, targets):
@@ -25,7 +26,7 @@ def test_frontier_sentence_sweeps_load(name, unit, targets):
         assert c.dp.sampling_rate is not None and c.dp.delta == 1e-5 and not c.dp.allow_large_delta
         assert c.dp.accountant == "pld" and c.dp.calibrate == "noise_multiplier"
     names = {c.dp.selection.name for c in private}
-    assert {"all", "gaussian_threshold"} <= names or unit == "document"
+    assert {"all", "gaussian_threshold"} <= names or unit == "document" or "seeds" in name
     for r in sweep.runs:
         sel = r.config(0).dp.selection if r.name != "nonprivate" else None
         if r.name.startswith("public_top"):
