@@ -69,11 +69,12 @@ SWEEPS = {
     "frontier_sentence_v10k": ("v10k", (
         "dpsgd-eps3-lr0.01", "gt_head-eps3-H2000-f0.25-t1-lr0.01", "dpsgd-eps1-lr0.01",
         "gaussian_threshold-eps3-f0.25-t1-lr0.01", "gaussian_threshold-eps1-f0.25-t1-lr0.01",
-        "public_top-eps1-H2000-lr0.01", "public_top-eps1-H5000-lr0.01", "gt_head-eps1-H2000-f0.25-t1")),
+        "public_top-eps1-H2000-lr0.01", "public_top-eps1-H5000-lr0.01", "gt_head-eps1-H2000-f0.25-t1",
+        "public_top-eps1-H1000-lr0.01", "public_top-eps3-H2000-lr0.01")),
     # (the second lane's share of eps 1 and 3: the best cells' second seeds, more lrs and heads)
     "frontier_sentence_v10k_seeds": ("v10k", (
         "dpsgd-eps3-lr0.005", "dpsgd-eps1-lr0.005", "gt_head-eps1-H2000-f0.25-t1-lr0.01", "dpsgd-eps1-lr0.003",
-        "public_top-eps3-H5000-lr0.01")),
+        "public_top-eps3-H5000-lr0.01", "public_top-eps1-H2000-lr0.005")),
     "frontier_sentence_v1k": ("v1k", (
         "dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.01", "public_top-eps8-H250", "public_top-eps8-H500",
         "gaussian_threshold-eps8-f0.25-t1", "nonprivate", "dpsgd-eps8-lr0.005", "dpsgd-eps3-lr0.003",
@@ -87,7 +88,7 @@ SEEDS: dict[str, dict[str, list[int]]] = {
     "v1k": {"dpsgd-eps8-lr0.003": [0, 1], "dpsgd-eps8-lr0.005": [0, 1], "dpsgd-eps3-lr0.005": [0, 1],
             "dpsgd-eps1-lr0.01": [0, 1]},
     "v10k": {"dpsgd-eps8-lr0.01": [0, 1], "dpsgd-eps3-lr0.005": [0, 1], "dpsgd-eps1-lr0.005": [0, 1],
-             "gt_head-eps1-H2000-f0.25-t1-lr0.01": [0, 1]}}
+             "gt_head-eps1-H2000-f0.25-t1-lr0.01": [0, 1], "public_top-eps1-H2000-lr0.01": [0, 1]}}
 
 
 def steps(q: float) -> int:
