@@ -88,7 +88,8 @@ SEEDS: dict[str, dict[str, list[int]]] = {
     "v1k": {"dpsgd-eps8-lr0.003": [0, 1], "dpsgd-eps8-lr0.005": [0, 1], "dpsgd-eps3-lr0.005": [0, 1],
             "dpsgd-eps1-lr0.01": [0, 1]},
     "v10k": {"dpsgd-eps8-lr0.01": [0, 1], "dpsgd-eps3-lr0.005": [0, 1], "dpsgd-eps1-lr0.005": [0, 1],
-             "gt_head-eps1-H2000-f0.25-t1-lr0.01": [0, 1], "public_top-eps1-H2000-lr0.01": [0, 1]}}
+             "gt_head-eps1-H2000-f0.25-t1-lr0.01": [0, 1], "public_top-eps1-H2000-lr0.01": [0, 1],
+             "dpsgd-eps3-lr0.01": [0, 1], "public_top-eps3-H5000-lr0.01": [0, 1]}}
 
 
 def steps(q: float) -> int:
