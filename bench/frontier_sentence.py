@@ -79,7 +79,8 @@ SWEEPS = {
         "dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.01", "public_top-eps8-H250", "public_top-eps8-H500",
         "gaussian_threshold-eps8-f0.25-t1", "nonprivate", "dpsgd-eps8-lr0.005", "dpsgd-eps3-lr0.003",
         "gaussian_threshold-eps3-f0.25-t1", "dpsgd-eps1-lr0.003", "gaussian_threshold-eps1-f0.25-t1",
-        "dpsgd-eps3-lr0.005", "dpsgd-eps1-lr0.005", "dpsgd-eps3-lr0.01", "dpsgd-eps1-lr0.01", "dpsgd-eps1-lr0.02")),
+        "dpsgd-eps3-lr0.005", "dpsgd-eps1-lr0.005", "dpsgd-eps3-lr0.01", "dpsgd-eps1-lr0.01", "dpsgd-eps1-lr0.02",
+        "public_top-eps1-H500-lr0.01", "public_top-eps1-H250-lr0.01")),
     "frontier_document_v10k": ("doc", ("dpsgd-eps8-lr0.003", "dpsgd-eps8-lr0.02")),
 }
 
