@@ -38,6 +38,10 @@ class Selector(Protocol):
     ``spend()`` is what one step of it costs, the only place that says so: ``dp_step``, the distributed step, the
     budget (``widedp epsilon``, calibration, the journal) all read it. It depends on the selector's parameters only
     (known before training, whatever the batch); ``select`` draws the rows.
+
+    Optionally ``public_rows(*, selectable_rows, device) -> Tensor | None``: rows the selector takes every step
+    without looking at the data (a public head, ``widedp.dp.selection.public``); ``dp_step`` adds them to its public
+    rows (selected for free, left out of the scores).
     """
 
     score_kind: ScoreKind
