@@ -132,10 +132,11 @@ def test_folder_names_and_pruning(tmp_path):
     assert "no .metadata" in shards.check(tmp_path, "dcp-40.1")
     priv = tmp_path / "private"
     priv.mkdir()
-    for name in ("rng-4-rank0.pt", "rng-4-rank2.pt", "rng-8-rank3.pt", "seeds.json"):
+    for name in ("rng-4-rank0.pt", "rng-4-rank2.pt", "rng-8-rank3.pt", "seeds.json", ".rng-9-rank2.pt.bfb40dce.tmp",
+                 ".rng-9-rank1.pt.0123abcd.tmp"):  # temp files of a kill mid-write: a gone rank's go too
         (priv / name).write_bytes(b"")
     shards.prune_gone_ranks(priv, 2)
-    assert sorted(p.name for p in priv.iterdir()) == ["rng-4-rank0.pt", "seeds.json"]
+    assert sorted(p.name for p in priv.iterdir()) == [".rng-9-rank1.pt.0123abcd.tmp", "rng-4-rank0.pt", "seeds.json"]
 
 
 # ------------------------------------------------------------------------------------------------ no whole table

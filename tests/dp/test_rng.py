@@ -296,3 +296,18 @@ def test_metrics_are_labelled_and_hold_no_noise_statistic(tmp_path):
     assert last_epoch["epsilon_accountant"] == "pld"
     assert last_epoch["epsilon"] == pytest.approx(summary["dp"]["epsilon"])
     assert last_epoch["epsilon_rdp"] == pytest.approx(summary["dp"]["epsilon_rdp"])
+
+
+def test_pruning_removes_the_temp_files_of_a_kill_mid_write(tmp_path):
+    """A kill between ``_write_private``'s open and its rename leaves ``.NAME.HEX.tmp``: the next prune of that
+    rank deletes it (another rank's, and other files, stay)."""
+    g = torch.Generator().manual_seed(1)
+    rng.save_states(tmp_path, 9, {"noise": g.get_state()})
+    priv = tmp_path / rng.PRIVATE_DIR
+    for name in (".rng-5.pt.bfb40dce.tmp", ".rng-5-rank1.pt.0123abcd.tmp", ".seeds.json.0123abcd.tmp"):
+        (priv / name).write_bytes(b"half")
+    rng.prune_states(tmp_path, 9)
+    assert sorted(p.name for p in priv.iterdir()) == [".rng-5-rank1.pt.0123abcd.tmp", ".seeds.json.0123abcd.tmp",
+                                                      "rng-9.pt"]
+    rng.prune_states(tmp_path, 9, rank=1)
+    assert sorted(p.name for p in priv.iterdir()) == [".seeds.json.0123abcd.tmp", "rng-9.pt"]

@@ -44,6 +44,8 @@ PRIVATE_DIR = "private"
 SEEDS_FILE = "seeds.json"
 RngMode = Literal["secure", "reproducible"]
 _STATE_RE = re.compile(r"^rng-(\d+)(?:-rank(\d+))?\.pt$")
+#: A temp file of ``_write_private`` left by a kill mid-write (``.NAME.HEX.tmp``): group 1 is NAME.
+_TEMP_RE = re.compile(r"^\.(.+)\.[0-9a-f]{8}\.tmp$")
 
 #: Why a reproducible run is not private (every output of such a run says so).
 NOT_PRIVATE = ("the randomness is 'reproducible': sampling, selection and noise are derived from train.seed in "
@@ -216,14 +218,16 @@ def save_states(run_dir: Path, step: int, states: dict[str, torch.Tensor], *, ra
 
 
 def prune_states(run_dir: Path, keep_step: int, *, rank: int | None = None) -> None:
-    """Delete the saved states (of ``rank``) of other steps; call AFTER the checkpoint of ``keep_step`` is
-    written."""
+    """Delete the saved states (of ``rank``) of other steps, and its temp files left by a kill mid-write; call AFTER
+    the checkpoint of ``keep_step`` is written."""
     d = run_dir / PRIVATE_DIR
     if not d.is_dir():
         return
+    mine = None if rank is None else str(rank)
     for p in d.iterdir():
-        m = _STATE_RE.match(p.name)
-        if m and int(m.group(1)) != keep_step and m.group(2) == (None if rank is None else str(rank)):
+        t = _TEMP_RE.match(p.name)  # this rank's half-written states of a killed run (its own writes are done)
+        m = _STATE_RE.match(t.group(1) if t else p.name)
+        if m and m.group(2) == mine and (t or int(m.group(1)) != keep_step):
             p.unlink(missing_ok=True)
 
 

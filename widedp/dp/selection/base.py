@@ -40,7 +40,7 @@ class Selector(Protocol):
     (known before training, whatever the batch); ``select`` draws the rows.
 
     Optionally ``public_rows(*, selectable_rows, device) -> Tensor | None``: rows the selector takes every step
-    without looking at the data (a public head, ``widedp.dp.selection.public``); ``dp_step`` adds them to its public
+    without looking at the batch (a public head, ``widedp.dp.selection.public``); ``dp_step`` adds them to its public
     rows (selected for free, left out of the scores).
     """
 
