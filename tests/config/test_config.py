@@ -37,6 +37,7 @@ def test_round_trip_and_hash():
 
     d = cfg.to_dict()
     d["data"] = type(cfg.data).hash_view(d["data"])
+    d["model"] = type(cfg.model).hash_view(d["model"])  # (model.init_vectors / init_output: only when set)
     del d["dp"]["sampling_rate"], d["dp"]["noise"]  # (dp.noise: only when not the default gaussian)
     del d["dp"]["allow_large_delta"]  # (never: a guard's opt-out changes no computation)
     assert cfg.hash() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]

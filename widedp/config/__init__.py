@@ -3,7 +3,7 @@
 A training config has four sections::
 
     data:  {preset, corpus, vocab_size, window, negatives, sample_shape, splits, seed, ...}   -> DataConfig
-    model: {dim, tied, sparse, init_scale}                                                      -> ModelConfig
+    model: {dim, tied, sparse, init_scale, init_vectors, init_output}                           -> ModelConfig
     train: {epochs, batch_size, optimizer, lr, seed, ...}                                       -> TrainConfig
     dp:    {clip1, clip2, noise_multiplier, delta, rng, selection: {name: ..., ...}}            -> DPConfig | None
 
@@ -62,6 +62,14 @@ class ModelConfig:
         tied: one table for context and output (the paper's V x D parameters) or two.
         sparse: sparse gradients from the EmbeddingBag / Embedding (non-private SparseAdam needs it).
         init_scale: input rows ~ U(-init_scale/D, init_scale/D) (0.5: word2vec's init); untied output rows are zeros.
+        init_vectors: PATH of word vectors in word2vec text or binary format (gensim's ``save_word2vec_format``; the
+            ``eval`` extra reads them): a public warm start. Each vocabulary word with a vector there (matched
+            exactly) starts from it in the input table; the other rows keep the init above. Applied to a new run
+            only (a resumed run's checkpoint holds the weights). ASSUMED PUBLIC: the statement names the file and its
+            sha256, and ε does not cover the vectors if they were derived from private data
+            (``widedp.models.init_vectors``). One process only.
+        init_output: with ``init_vectors`` and untied tables, the output table's found rows: ``zeros`` (word2vec's
+            output init, as gensim's ``intersect_word2vec_format`` leaves it) | ``vectors`` (the same vectors).
     """
 
     kind: Literal["cbow"] = "cbow"
@@ -69,10 +77,29 @@ class ModelConfig:
     tied: bool = True
     sparse: bool = True
     init_scale: float = 0.5
+    init_vectors: str | None = None
+    init_output: Literal["zeros", "vectors"] = "zeros"
 
     def __post_init__(self) -> None:
         positive("model.dim", self.dim)
         positive("model.init_scale", self.init_scale)
+        if self.init_vectors is not None and not self.init_vectors.strip():
+            raise ConfigError("model.init_vectors: an empty path (give a word2vec file, or leave the key out)")
+        if self.init_output != "zeros" and self.init_vectors is None:
+            raise ConfigError(f"model.init_output: {self.init_output} needs model.init_vectors")
+        if self.init_output == "vectors" and self.tied:
+            raise ConfigError("model.init_output: vectors applies to untied tables; a tied model's one table takes "
+                              "the vectors already (leave init_output out)")
+
+    @staticmethod
+    def hash_view(d: dict[str, Any]) -> dict[str, Any]:
+        """The model section as the config hash sees it: keys added later hash only when set."""
+        d = dict(d)
+        if d.get("init_vectors") is None:
+            d.pop("init_vectors", None)
+        if d.get("init_output") == "zeros":
+            d.pop("init_output", None)
+        return d
 
 
 # ---------------------------------------------------------------------------------------------------------- train
@@ -262,6 +289,9 @@ class Config:
         view = getattr(type(self.data), "hash_view", None)  # data keys added later hash only when set
         if view is not None:
             d["data"] = view(d["data"])
+        model_view = getattr(type(self.model), "hash_view", None)  # (model keys added later: likewise)
+        if model_view is not None:
+            d["model"] = model_view(d["model"])
         pre = (d.get("dp") or {}).get("preselect")
         if pre is not None and pre.get("table_rows") is None:  # (added later: hashes only when set)
             del pre["table_rows"]

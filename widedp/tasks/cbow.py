@@ -21,9 +21,11 @@ from widedp.data_prep import wordfreq_vocab
 from widedp.data_prep.cbow import CBOWData, Split, prepare_cbow
 from widedp.data_prep.samples import alias_table
 from widedp.data_prep.splits import counted
+from widedp.distributed import ranks
 from widedp.dp import rng, units
 from widedp.dp import vocab as vocab_dp
 from widedp.errors import ConfigError
+from widedp.models import init_vectors
 from widedp.models.cbow import CBOW, CBOWBatch
 from widedp.models.rowinit import Deferred
 from widedp.resources import check_tables_fit
@@ -187,8 +189,13 @@ class CBOWTask(LoopTask):
     def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None,
               resumed: bool = False) -> Built:
         data, release = cbow_data(cfg, out, data=data, noise_seed=noise_seed, resumed=resumed)
+        if cfg.model.init_vectors is not None and ranks.world() > 1:
+            raise ConfigError("model.init_vectors: a warm start trains on one process only (no --nproc)")
         splits, model = build_cbow(cfg, out, device=device, data=data,
                                    meta=placement.tables_on_meta(cfg, resumed=resumed))
+        if cfg.model.init_vectors is not None:
+            init_vectors.warm_start(model, list(data.vocab), out, path=cfg.model.init_vectors,
+                                    output=cfg.model.init_output, resumed=resumed)
         return Built(splits, model, {"vocabulary": release.mechanism} if release is not None else {})
 
     def shape(self, cfg: Config) -> Shape:
@@ -238,6 +245,8 @@ class CBOWTask(LoopTask):
             includes = (f"the vocabulary: public (data.vocabulary: {vocabulary}), the first {cfg.data.vocab_size} "
                         f"words passing the token filters of the {wordfreq_vocab.describe(cfg.data.wordfreq_lang)}; "
                         "nothing private spent on it",)
+        if cfg.model.init_vectors is not None:
+            includes = (*includes, init_vectors.statement_line(cfg.model.init_vectors))
         return UnitFacts(unit, gaps, includes)
 
     def warn(self, cfg: Config) -> None:
