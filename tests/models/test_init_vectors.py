@@ -91,3 +91,12 @@ def test_statement_line_names_the_file_its_hash_and_the_assumption(tmp_path):
     assert "assumed public" in line and "not covered by ε if derived from private data" in line
     path.write_text(path.read_text().replace("cat", "dog"))  # rewritten in place: hashed again
     assert file_sha256(str(path)) not in line
+
+
+def test_without_gensim_the_error_names_the_extra(tmp_path, monkeypatch):
+    from widedp.extras import MissingExtraError
+
+    path = _write(tmp_path / "v.txt", ["cat"], _file_vectors(1), binary=False)
+    monkeypatch.setitem(__import__("sys").modules, "gensim.models", None)  # import gensim.models fails
+    with pytest.raises(MissingExtraError, match=r"^model.init_vectors .* pip install 'widedp\[eval\]'$"):
+        load_init_vectors(str(path), ["cat"], dim=DIM)
