@@ -120,8 +120,11 @@ def prepare_interactions(cfg: RecsysDataConfig) -> InteractionData:
             cols = {k: v[: cfg.max_interactions] for k, v in cols.items()}
         card, feats, rating, ids, user = _encode(cols, time_feature=cfg.time_feature, buckets=cfg.id_buckets)
         raw = cols
-    label = (rating >= cfg.label_threshold).astype(np.float32)
     keys = interaction_keys(cfg, feats, rating, raw)
+    if not cfg.user_feature:  # no user table; the user column still groups a user's interactions
+        user = feats["user"][:, 0].copy() if user is None else user
+        del card["user"], feats["user"], ids["user"]
+    label = (rating >= cfg.label_threshold).astype(np.float32)
     rates = splits_mod.split_rates(cfg.splits, len(label), what="interactions")
     which = splits_mod.assign(keys, rates)
     parts = []

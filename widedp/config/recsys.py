@@ -53,6 +53,8 @@ class RecsysDataConfig:
         tags_per_item, num_tags: synthetic multi-valued feature ``tags``: each item has ``tags_per_item`` tags
             drawn with replacement (duplicates inside a bag happen on purpose); 0 = no tag feature.
         time_feature: ratings / HF sources: an ``hour`` feature (24 values) from the timestamp.
+        user_feature: false = no ``user`` feature: the model has no user table (item and the extra features only);
+            each interaction's user still groups it for ``privacy_unit: user``.
         id_buckets: ratings / HF sources: 0 (default) = one row per distinct raw user / item id, numbered by sorted
             raw id (the table sizes and the numbering come from the data: every statement lists them as not
             covered); B > 0 = the hashing trick: a raw id's row is blake2b(id) mod B in a table of B rows, so nothing
@@ -86,6 +88,7 @@ class RecsysDataConfig:
     tags_per_item: int = 2
     num_tags: int = 50
     time_feature: bool = True
+    user_feature: bool = True
     id_buckets: int = 0
     # labels, splits, caching, privacy unit
     label_threshold: float = 4.0
@@ -117,13 +120,14 @@ class RecsysDataConfig:
     def cache_key(self) -> str:
         """Hash of every parameter that changes the prepared arrays (not where they are cached, nor the unit)."""
         plain = replace(self, privacy_unit="interaction", max_samples_per_unit=256)
-        return data_cache_key(plain, self.source[8:] if self.source.startswith("ratings:") else None)
+        return data_cache_key(plain, self.source[8:] if self.source.startswith("ratings:") else None,
+                              drop=("user_feature",) if self.user_feature else ())
 
     @staticmethod
     def hash_view(d: dict[str, Any]) -> dict[str, Any]:
-        """``d`` without the unit keys and id_buckets left at their defaults (runs recorded before them keep their
-        hash)."""
-        defaults = {"privacy_unit": "interaction", "max_samples_per_unit": 256, "id_buckets": 0}
+        """``d`` without the unit keys, id_buckets and user_feature left at their defaults (runs recorded before them
+        keep their hash)."""
+        defaults = {"privacy_unit": "interaction", "max_samples_per_unit": 256, "id_buckets": 0, "user_feature": True}
         return {k: v for k, v in d.items() if not (k in defaults and v == defaults[k])}
 
 

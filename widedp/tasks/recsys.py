@@ -53,6 +53,12 @@ USER_UNIT_IDS_NOT_COVERED = (
     "item of the data, all splits, with its table row; the item table's size is their number), so an item that only "
     "one user rated is listed only when that user is in the data; and the number of distinct users set the size of "
     "the row space the selection ranged over (data.id_buckets hashes ids into fixed tables instead)")
+#: The gap with ``data.privacy_unit: user`` and no user table (``data.user_feature: false``).
+NO_USER_TABLE_IDS_NOT_COVERED = (
+    "the model has no user table (data.user_feature: false) and the release no user id, but it lists every raw item "
+    "id present (ids.json: each item of the data, all splits, with its table row; the item table's size is their "
+    "number), so an item that only one user rated is listed only when that user is in the data (data.id_buckets "
+    "hashes ids into fixed tables instead)")
 COUNTED_SPLITS_NOT_COVERED = ("data.splits given as counts: each split's rate n/N uses the number of "
                               "interactions N (fractions do not)")
 
@@ -89,11 +95,20 @@ def ids_document(data: InteractionData) -> dict[str, Any]:
                     "'little') % B (an integral float id x written as int)"}
 
 
-def withheld_features(privacy_unit: str, id_buckets: int, source: str) -> tuple[str, ...]:
+def withheld_features(privacy_unit: str, id_buckets: int, source: str, *, user_feature: bool = True
+                      ) -> tuple[str, ...]:
     """The tables a release leaves out: ``("user",)`` when ε protects a user and the user table's rows are the data's
     raw user ids (not hashed into ``data.id_buckets`` fixed buckets, not the synthetic source's public range 0..U-1):
-    its ids and its size would tell who is in the data. Else none."""
-    return ("user",) if privacy_unit == "user" and not id_buckets and source != "synthetic" else ()
+    its ids and its size would tell who is in the data. Else none (also when ``data.user_feature`` is false: the
+    model has no user table)."""
+    withhold = privacy_unit == "user" and not id_buckets and source != "synthetic" and user_feature
+    return ("user",) if withhold else ()
+
+
+def cfg_withheld(cfg: Config) -> tuple[str, ...]:
+    """``withheld_features`` of a run's config."""
+    d = cfg.data
+    return withheld_features(d.privacy_unit, d.id_buckets, d.source, user_feature=d.user_feature)
 
 
 def table_key(feature: str) -> str:
@@ -115,7 +130,7 @@ def release_parts(data: dict[str, Any], state: dict[str, torch.Tensor], ids: dic
         ConfigError: a table to leave out is not in the weights (not a recommender's state dict).
     """
     gone = withheld_features(str(data.get("privacy_unit", "interaction")), int(data.get("id_buckets") or 0),
-                             str(data.get("source", "")))
+                             str(data.get("source", "")), user_feature=bool(data.get("user_feature", True)))
     if not gone:
         return state, ids
     missing = [f for f in gone if table_key(f) not in state]
@@ -158,7 +173,7 @@ class RecsysTask(LoopTask):
         raw users share rows, the raw id itself), each user's interactions keyed by their index in the split."""
         if units.is_per_sample(cfg):
             return None
-        if "user" not in split.names:
+        if split.user is None and "user" not in split.names:
             raise ConfigError("data.privacy_unit: user needs a 'user' feature in the data")
         user = split.user if split.user is not None else split.features[split.names.index("user")][:, 0].cpu().numpy()
         return units.group_units(user, np.arange(len(user)), cap=cfg.data.max_samples_per_unit, device=device)
@@ -168,7 +183,8 @@ class RecsysTask(LoopTask):
                 else units.unit_name(cfg, "interactions"))
         d = cfg.data
         ids_gap = () if d.source == "synthetic" or d.id_buckets else (
-            (IDS_NOT_COVERED,) if units.is_per_sample(cfg) else (USER_UNIT_IDS_NOT_COVERED,))
+            (IDS_NOT_COVERED,) if units.is_per_sample(cfg) else
+            (USER_UNIT_IDS_NOT_COVERED if d.user_feature else NO_USER_TABLE_IDS_NOT_COVERED,))
         gaps = ids_gap + (
             (COUNTED_SPLITS_NOT_COVERED,) if counted(d.splits) else ()) + (
             (f"data.max_interactions: {d.max_interactions}: the source is cut to its first {d.max_interactions} "
@@ -178,7 +194,7 @@ class RecsysTask(LoopTask):
     def metrics_model(self, cfg: Config) -> str:
         """Which model the run's losses and metrics score: the released one, or (a table withheld from the release)
         the full model the data holder keeps, with ``release_*`` metrics for the released parts alone."""
-        gone = withheld_features(cfg.data.privacy_unit, cfg.data.id_buckets, cfg.data.source)
+        gone = cfg_withheld(cfg)
         if not gone:
             return RELEASED_MODEL
         return (f"the full model the data holder keeps ({', '.join(gone)} rows included; the release leaves the "
@@ -190,7 +206,7 @@ class RecsysTask(LoopTask):
         ``train.eval_max_samples`` of each, as the losses), ``metrics_model``, and with a table withheld from the
         release the same metrics of the released parts alone (``release_*``)."""
         model, tc = built.model, cfg.train
-        gone = withheld_features(cfg.data.privacy_unit, cfg.data.id_buckets, cfg.data.source)
+        gone = cfg_withheld(cfg)
         model.eval()
         res: dict[str, Any] = {"metrics_model": self.metrics_model(cfg)}
         for prefix, zero in (("", ()), *((("release_", gone),) if gone else ())):
