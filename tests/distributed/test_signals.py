@@ -231,8 +231,8 @@ def test_a_rank_ends_with_its_launcher_killed_by_sigkill(tmp_path):
     rank = ("import os, sys, time\n"
             "from widedp.distributed import signals\n"
             "with signals.handled():\n"
-            "    print('ready', flush=True)\n"
-            "    try:\n"
+            "    try:\n"  # (the SIGTERM may come before print returns: the launcher reads the line first)
+            "        print('ready', flush=True)\n"
             "        time.sleep(60)\n"
             "    except signals.Interrupted as e:\n"
             f"        open({str(tmp_path / 'ended')!r}, 'w').write(str(e.signum))\n"
@@ -252,3 +252,26 @@ def test_a_rank_ends_with_its_launcher_killed_by_sigkill(tmp_path):
         time.sleep(0.02)
     assert not _alive(child)
     assert (tmp_path / "ended").read_text() == str(int(signal.SIGTERM))
+
+
+def test_an_interrupt_a_finaliser_swallowed_is_raised_again_by_the_loop(tmp_path):
+    """A signal handled inside ``__del__`` raises there and Python drops it ("Exception ignored"); later signals
+    are ignored by design, so ``check`` (every training step) must raise it again, or the run would never stop."""
+    script = ("import os, signal, sys\n"
+              "from widedp.distributed import signals\n"
+              "class Finalised:\n"
+              "    def __del__(self):\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        sum(range(1000))\n"
+              "with signals.handled():\n"
+              "    try:\n"
+              "        Finalised()\n"  # dropped at once: its __del__ gets the signal
+              "        print('went on', flush=True)\n"
+              "        signals.check()\n"
+              "    except signals.Interrupted as e:\n"
+              "        print('raised', e.signum, flush=True)\n"
+              "        sys.exit(0)\n"
+              "print('not raised', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=WAIT_S)
+    assert done.stdout.split("\n")[:2] == ["went on", f"raised {int(signal.SIGTERM)}"], (done.stdout, done.stderr)
+    assert "Exception ignored" in done.stderr  # the swallowed first raise (what made the run go on)

@@ -72,6 +72,15 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(signum)
 
 
+def check() -> None:
+    """Raise ``Interrupted`` again if a SIGINT / SIGTERM came within ``handled`` and the run still goes on: Python
+    drops an exception raised in a finaliser (``__del__``, a weakref callback), printing "Exception ignored", and a
+    later signal is ignored by design, so without this a run interrupted there would never stop. The training loop
+    calls it every step."""
+    if _state["received"] is not None and _installed:
+        raise Interrupted(_state["received"])
+
+
 def install() -> None:
     """(Re)install widedp's handler for the ``HANDLED`` signals ``handled`` took over (after torch elastic had
     its own in the launcher)."""

@@ -260,6 +260,7 @@ class _Loop:
         s.acc_steps, s.acc_samples, s.t0 = 0, 0, time.perf_counter()
         s.t_window, s.aside = s.t0, 0.0
         while s.step < self.total:
+            signals.check()  # an interrupt whose exception a finaliser swallowed still stops the run
             epoch = s.step // self.per_epoch
             if trainer.exhausted():
                 s.stopped_by_budget = True
