@@ -6,9 +6,9 @@ unrelated to Brown (the private corpus widedp trains on):
 - ``enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2``: an excerpt of an English Wikipedia
   dump (CC BY-SA 3.0 / GFDL, Wikipedia's licence), read with ``gensim.corpora.WikiCorpus`` (markup removed, articles
   of fewer than 50 words dropped, lower case, tokens of 2 to 15 characters);
-- ``lee_background.cor``: the Lee background corpus (Lee, Pincombe & Welsh 2005: ABC news articles, one per line;
-  distributed with gensim for research use), tokenised as the Wikipedia text (``gensim.utils.simple_preprocess``,
-  2 to 15 characters).
+- ``lee_background.cor``: the Lee background corpus (ABC news articles, one per line; gensim ships it with a request
+  to cite Lee, Pincombe & Welsh 2005 and states no licence), tokenised as the Wikipedia text
+  (``gensim.utils.simple_preprocess``, 2 to 15 characters).
 
 Left out: ``head500.noblanks.cor`` (Wikipedia too, but stemmed and stripped of stop words: "dictionari", "polit";
 its tokens would not match an unstemmed vocabulary, and would mix stemmed and whole words in one table).
@@ -44,7 +44,8 @@ SOURCES = {
     "enwiki": ("enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",
                "English Wikipedia excerpt (gensim test data), CC BY-SA 3.0 / GFDL"),
     "lee_background": ("lee_background.cor",
-                       "Lee background corpus, ABC news (Lee, Pincombe & Welsh 2005; gensim test data)"),
+                       "Lee background corpus, ABC news (gensim test data; cite Lee, Pincombe & Welsh 2005; "
+                       "no licence stated)"),
 }
 SETTINGS = {"vector_size": 100, "window": 4, "negative": 8, "sg": 0, "hs": 0, "min_count": 5, "epochs": 10,
             "sample": 1e-3, "workers": 1}
