@@ -51,7 +51,14 @@ dp: {{clip1: 1.0, clip2: 1.0, noise_multiplier: 1.0, rng: reproducible,
 def _start(*args: str, nproc: int = 1, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "widedp", "train", *args, "--no-progress"] + (["--nproc", str(nproc)] if nproc > 1
                                                                                else [])
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or ENV)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or ENV,
+                            preexec_fn=_sigint_default)
+
+
+def _sigint_default() -> None:
+    """A run started where SIGINT is ignored (pytest in a background job or under nohup) inherits that, and widedp
+    rightly leaves an ignored signal alone: the Ctrl-C cases need SIGINT as a terminal would deliver it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _checkpoint_step(run: Path) -> int | None:
