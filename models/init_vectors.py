@@ -30,6 +30,7 @@ from torch import Tensor
 
 from widedp.errors import ConfigError
 from widedp.extras import needs
+from widedp.run.checkpoint import write_json
 
 KEY = "model.init_vectors"
 #: what a run directory records of its warm start
@@ -60,11 +61,14 @@ class InitVectors:
 
 def file_sha256(path: str) -> str:
     """sha256 (hex) of the file at ``path`` (one-line ``ConfigError`` naming the key when it cannot be read)."""
+    full = Path(path).expanduser()
+    if full.is_dir():
+        raise ConfigError(f"{KEY}: {path}: is a directory, not a word2vec file")
     try:
-        st = os.stat(path)
+        st = os.stat(full)
+        return _sha256(str(full.resolve()), st.st_size, st.st_mtime_ns)
     except OSError as e:
         raise ConfigError(f"{KEY}: {path}: cannot read it ({e.strerror or type(e).__name__})") from None
-    return _sha256(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
 @cache
@@ -85,7 +89,7 @@ def statement_line(path: str) -> str:
 
 def is_binary(path: str) -> bool:
     """Whether a word2vec file is binary: its second line is not ``word f1 ... fD`` in UTF-8."""
-    with open(path, "rb") as f:
+    with open(Path(path).expanduser(), "rb") as f:
         f.readline()
         line = f.readline(1 << 20)
     try:
@@ -96,14 +100,33 @@ def is_binary(path: str) -> bool:
     return len(parts) < 2
 
 
+def check_file(path: str, *, dim: int | None = None) -> None:
+    """One-line ``ConfigError`` unless ``path`` (``~`` expanded) is a readable file whose word2vec header (``COUNT
+    DIM``, text and binary alike) says ``dim`` vectors: checked before anything of the run is drawn or written (a DP
+    vocabulary is drawn before the vectors are read)."""
+    full = Path(path).expanduser()
+    if full.is_dir():
+        raise ConfigError(f"{KEY}: {path}: is a directory, not a word2vec file")
+    if not full.is_file():
+        raise ConfigError(f"{KEY}: {path}: no such file")
+    try:
+        with open(full, "rb") as f:
+            header = f.readline(256).split()
+    except OSError as e:
+        raise ConfigError(f"{KEY}: {path}: cannot read it ({e.strerror or type(e).__name__})") from None
+    if len(header) != 2 or not all(x.isdigit() for x in header):
+        raise ConfigError(f"{KEY}: {path}: not a word2vec text or binary file (its first line is not 'COUNT DIM')")
+    if dim is not None and int(header[1]) != dim:
+        raise ConfigError(f"{KEY}: {path} holds vectors of dim {int(header[1])}; model.dim is {dim}")
+
+
 def read_vectors(path: str) -> Any:
     """gensim ``KeyedVectors`` of the word2vec file ``path`` (text or binary, ``is_binary``)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"{KEY}: {path}: no such file")
+    check_file(path)
     with needs("eval", f"{KEY} (word2vec-format vectors)"):
         from gensim.models import KeyedVectors
     try:
-        return KeyedVectors.load_word2vec_format(path, binary=is_binary(path))
+        return KeyedVectors.load_word2vec_format(str(Path(path).expanduser()), binary=is_binary(path))
     except (OSError, ValueError, UnicodeDecodeError, EOFError, IndexError) as e:
         raise ConfigError(f"{KEY}: {path}: not a word2vec text or binary file ({type(e).__name__}: {e})"
                           .splitlines()[0]) from None
@@ -147,12 +170,27 @@ def warm_start(model: Any, vocab: list[str], out: Path, *, path: str, output: st
     the sha256 recorded, so that its statement names the vectors it started from."""
     record_file = out / RECORD_FILE
     if resumed:
-        was = json.loads(record_file.read_text()).get("sha256") if record_file.is_file() else None
-        now = file_sha256(path)
-        if was is not None and was != now:
+        was, now = _recorded_sha256(record_file), file_sha256(path)
+        if was != now:
             raise ConfigError(f"{KEY}: {path} changed since the run started (sha256 {was} then, {now} now); restore "
                               "it or start a new run")
         return
     init = load_init_vectors(path, vocab, dim=model.dim)
     apply_(model, init, output=output)
-    record_file.write_text(json.dumps(init.record(vocab_size=len(vocab), output=output), indent=2) + "\n")
+    write_json(record_file, init.record(vocab_size=len(vocab), output=output))
+
+
+def _recorded_sha256(record_file: Path) -> str:
+    """The sha256 a run recorded of its vectors; a missing or damaged record is a one-line error (without it the
+    statement could name a file the run did not start from)."""
+    try:
+        sha = json.loads(record_file.read_text()).get("sha256")
+    except FileNotFoundError:
+        raise ConfigError(f"{KEY}: {record_file} is missing: the run's record of the vectors it started from; "
+                          "restore it from a copy of the run directory, or start a new run") from None
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{KEY}: {record_file} is damaged ({type(e).__name__}); restore it from a copy of the run "
+                          "directory, or start a new run") from None
+    if not isinstance(sha, str):
+        raise ConfigError(f"{KEY}: {record_file} names no sha256; restore it or start a new run")
+    return sha

@@ -1,5 +1,5 @@
-"""Audit of model.init_vectors and data.user_feature: false: each test here shows a defect found by the audit and is
-marked xfail(strict) until the product code is fixed (then drop the mark)."""
+"""Regression tests of the defects an audit found in model.init_vectors and data.user_feature: false (each failed
+before its fix)."""
 
 
 import numpy as np
@@ -33,8 +33,6 @@ def _model():
     return CBOW(len(VOCAB), DIM, tied=True, generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.xfail(strict=True, reason="warm_start(resumed=True) without RUN/init_vectors.json skips the sha256 check "
-                                       "(fail-open): the resumed run's statement then names whatever file is there now")
 def test_resume_without_the_record_is_refused(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -46,8 +44,6 @@ def test_resume_without_the_record_is_refused(tmp_path):
         iv.warm_start(_model(), VOCAB, out, path=str(path), output="zeros", resumed=True)
 
 
-@pytest.mark.xfail(strict=True, reason="a damaged RUN/init_vectors.json makes a resume end in a JSONDecodeError "
-                                       "traceback, not a one-line error")
 def test_damaged_record_is_a_one_line_error(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -57,15 +53,11 @@ def test_damaged_record_is_a_one_line_error(tmp_path):
         iv.warm_start(_model(), VOCAB, out, path=str(path), output="zeros", resumed=True)
 
 
-@pytest.mark.xfail(strict=True, reason="file_sha256 / statement_line on a directory raise IsADirectoryError "
-                                       "(widedp epsilon: 'PATH: Is a directory (what was written before is kept)')")
 def test_a_directory_is_a_config_error_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"^model\.init_vectors: "):
         iv.statement_line(str(tmp_path))
 
 
-@pytest.mark.xfail(strict=True, reason="model.init_vectors does not expand ~ (every other path key does: corpus, "
-                                       "cache_dir, ratings:, file: vocabulary): an existing ~/file is 'no such file'")
 def test_a_home_relative_path_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     _vectors(tmp_path / "v.txt")
@@ -73,9 +65,6 @@ def test_a_home_relative_path_is_expanded(tmp_path, monkeypatch):
     assert init.rows.tolist() == [1, 2]
 
 
-@pytest.mark.xfail(strict=True, reason="with data.vocabulary: dp the DP vocabulary is drawn and journaled before "
-                                       "model.init_vectors is checked: a typo in the path spends it and leaves a run "
-                                       "dir that only --overwrite (deleting the spent-budget journal) clears")
 def test_a_missing_vectors_file_is_refused_before_the_dp_vocabulary(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"""
@@ -91,9 +80,6 @@ dp: {{clip1: 1.0, clip2: null, noise_multiplier: 1.0, rng: reproducible, selecti
     assert not (out / "vocab_release.json").exists()  # nothing private drawn for a run that cannot start
 
 
-@pytest.mark.xfail(strict=True, reason="privacy_unit: interaction + user_feature: false: the statement's gap still "
-                                       "says ids.json names each user id and the table sizes count the users; the "
-                                       "release has no user table or user id")
 def test_interaction_unit_without_a_user_table_names_no_user_ids(tmp_path):
     (tmp_path / "r.csv").write_text("userId,movieId,rating,timestamp\nu1,1,4,10\nu2,2,3,20\n")
     cfg = config_from_dict({"task": "recsys", "data": {"preset": "custom", "source": f"ratings:{tmp_path / 'r.csv'}",

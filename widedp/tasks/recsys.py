@@ -59,6 +59,11 @@ NO_USER_TABLE_IDS_NOT_COVERED = (
     "id present (ids.json: each item of the data, all splits, with its table row; the item table's size is their "
     "number), so an item that only one user rated is listed only when that user is in the data (data.id_buckets "
     "hashes ids into fixed tables instead)")
+#: The gap with ``data.privacy_unit: interaction`` and no user table.
+NO_USER_TABLE_ITEM_IDS_NOT_COVERED = (
+    "the release lists every raw item id present (no user table, data.user_feature: false, so no user id): ids.json "
+    "names each item of the data (all splits) with its table row, so the item table's size is the number of distinct "
+    "items (data.id_buckets hashes ids into fixed tables instead)")
 COUNTED_SPLITS_NOT_COVERED = ("data.splits given as counts: each split's rate n/N uses the number of "
                               "interactions N (fractions do not)")
 
@@ -182,9 +187,11 @@ class RecsysTask(LoopTask):
         unit = ("interaction (one user-item example)" if units.is_per_sample(cfg)
                 else units.unit_name(cfg, "interactions"))
         d = cfg.data
-        ids_gap = () if d.source == "synthetic" or d.id_buckets else (
-            (IDS_NOT_COVERED,) if units.is_per_sample(cfg) else
-            (USER_UNIT_IDS_NOT_COVERED if d.user_feature else NO_USER_TABLE_IDS_NOT_COVERED,))
+        if units.is_per_sample(cfg):
+            ids = IDS_NOT_COVERED if d.user_feature else NO_USER_TABLE_ITEM_IDS_NOT_COVERED
+        else:
+            ids = USER_UNIT_IDS_NOT_COVERED if d.user_feature else NO_USER_TABLE_IDS_NOT_COVERED
+        ids_gap = () if d.source == "synthetic" or d.id_buckets else (ids,)
         gaps = ids_gap + (
             (COUNTED_SPLITS_NOT_COVERED,) if counted(d.splits) else ()) + (
             (f"data.max_interactions: {d.max_interactions}: the source is cut to its first {d.max_interactions} "
