@@ -45,11 +45,12 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from widedp.dp import rng
+
 PREFIX = "dcp-"
 METADATA = ".metadata"
 _NAME_RE = re.compile(r"^dcp-\d+(?:\.1)?$")
 _STATE_RE = re.compile(r"^rng-\d+-rank(\d+)\.pt$")
-_TEMP_RE = re.compile(r"^\.(.+)\.[0-9a-f]{8}\.tmp$")
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ def prune(out: Path, keep: str) -> None:
 def prune_gone_ranks(private: Path, world: int) -> None:
     """Delete the generator states of ranks >= ``world`` (a run resumed on fewer processes: they cannot replay)."""
     for p in private.iterdir() if private.is_dir() else ():
-        t = _TEMP_RE.match(p.name)  # or their temp files, left by a kill mid-write
+        t = rng.TEMP_RE.match(p.name)  # or their temp files, left by a kill mid-write
         m = _STATE_RE.match(t.group(1) if t else p.name)
         if m and int(m.group(1)) >= world:
             p.unlink(missing_ok=True)

@@ -45,7 +45,7 @@ SEEDS_FILE = "seeds.json"
 RngMode = Literal["secure", "reproducible"]
 _STATE_RE = re.compile(r"^rng-(\d+)(?:-rank(\d+))?\.pt$")
 #: A temp file of ``_write_private`` left by a kill mid-write (``.NAME.HEX.tmp``): group 1 is NAME.
-_TEMP_RE = re.compile(r"^\.(.+)\.[0-9a-f]{8}\.tmp$")
+TEMP_RE = re.compile(r"^\.(.+)\.[0-9a-f]{8}\.tmp$")
 
 #: Why a reproducible run is not private (every output of such a run says so).
 NOT_PRIVATE = ("the randomness is 'reproducible': sampling, selection and noise are derived from train.seed in "
@@ -225,7 +225,7 @@ def prune_states(run_dir: Path, keep_step: int, *, rank: int | None = None) -> N
         return
     mine = None if rank is None else str(rank)
     for p in d.iterdir():
-        t = _TEMP_RE.match(p.name)  # this rank's half-written states of a killed run (its own writes are done)
+        t = TEMP_RE.match(p.name)  # this rank's half-written states of a killed run (its own writes are done)
         m = _STATE_RE.match(t.group(1) if t else p.name)
         if m and m.group(2) == mine and (t or int(m.group(1)) != keep_step):
             p.unlink(missing_ok=True)
