@@ -61,9 +61,8 @@ class InitVectors:
 
 def file_sha256(path: str) -> str:
     """sha256 (hex) of the file at ``path`` (one-line ``ConfigError`` naming the key when it cannot be read)."""
+    check_file(path)
     full = Path(path).expanduser()
-    if full.is_dir():
-        raise ConfigError(f"{KEY}: {path}: is a directory, not a word2vec file")
     try:
         st = os.stat(full)
         return _sha256(str(full.resolve()), st.st_size, st.st_mtime_ns)

@@ -188,9 +188,9 @@ class CBOWTask(LoopTask):
 
     def build(self, cfg: Config, out: Path, *, device: torch.device, data: Any = None, noise_seed: int | None = None,
               resumed: bool = False) -> Built:
-        if cfg.model.init_vectors is not None and ranks.world() > 1:
-            raise ConfigError("model.init_vectors: a warm start trains on one process only (no --nproc)")
-        if cfg.model.init_vectors is not None:  # before a DP vocabulary is drawn and charged
+        if cfg.model.init_vectors is not None:  # checked before a DP vocabulary is drawn and charged
+            if ranks.world() > 1:
+                raise ConfigError("model.init_vectors: a warm start trains on one process only (no --nproc)")
             init_vectors.check_file(cfg.model.init_vectors, dim=cfg.model.dim)
         data, release = cbow_data(cfg, out, data=data, noise_seed=noise_seed, resumed=resumed)
         splits, model = build_cbow(cfg, out, device=device, data=data,
