@@ -55,9 +55,18 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _import_before_joining() -> None:
+    """Import what evaluates ``group.WORLD`` as a default argument (``torch.distributed.nn.functional``, which
+    torchrec imports) BEFORE the group exists: imported after, its functions keep the world group alive past
+    ``destroy_process_group``, and gloo's threads are then torn down at interpreter exit, where they can abort
+    the process ("terminate called without an active exception", SIGABRT) after a run that succeeded."""
+    import torch.distributed.nn.functional  # noqa: F401
+
+
 def init(device_name: str) -> None:
     """Join the process group of torchrun's environment: NCCL when ``train.device`` resolves to CUDA (one GPU
     per local rank), gloo otherwise."""
+    _import_before_joining()
     device = resolve_device(device_name)
     if device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -73,6 +82,7 @@ def init_process_group(rank: int, world_size: int, *, port: int, backend: str | 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    _import_before_joining()
     dist.init_process_group(backend, rank=rank, world_size=world_size)
 
 
