@@ -40,9 +40,12 @@ def test_round_trip_and_hash():
     d["model"] = type(cfg.model).hash_view(d["model"])  # (model.init_vectors / init_output: only when set)
     del d["dp"]["sampling_rate"], d["dp"]["noise"]  # (dp.noise: only when not the default gaussian)
     del d["dp"]["allow_large_delta"]  # (never: a guard's opt-out changes no computation)
+    del d["dp"]["max_batch_size"]  # (only when set)
     assert cfg.hash() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
     fixed = config_from_dict({**cfg.to_dict(), "dp": {**cfg.to_dict()["dp"], "sampling_rate": 0.01}})
     assert fixed.hash() != cfg.hash()
+    bounded = config_from_dict({**cfg.to_dict(), "dp": {**cfg.to_dict()["dp"], "max_batch_size": "auto"}})
+    assert bounded.hash() != cfg.hash() and config_from_dict(bounded.to_dict()) == bounded
 
 
 @pytest.mark.parametrize(

@@ -4,11 +4,12 @@
     not covered: vocabulary not private: the top-V words of the training corpus ... and the negative-sampling ...
     (ε=7.96, δ=1e-05) for adding/removing one sentence (≤ 32 pairs) [PLD accountant]; includes: the DP vocabulary
     (Gaussian partition selection, σ=4, ≤ 32 words per sentence, δ_τ=1e-06 of δ)
+    ...; includes: batches of at most 1,245 sentences (truncated Poisson; δ_B=1e-08 of δ)
 
 A statement is stored as a dict in ``summary.json`` (``"privacy"``), the export's ``privacy.json`` and the CLI's
 output, with ``widedp_version`` (the widedp that trained the run); ``text`` is the one line printed wherever ε is.
 What ε covers besides the steps comes from the task (``UnitFacts.includes``: the DP vocabulary) and from the dp:
-section (``with_preselect``: the row pre-selection).
+section (``with_preselect``: the row pre-selection) and from the plan (``with_batch_bound``: bounded batches).
 """
 
 from __future__ import annotations
@@ -128,4 +129,14 @@ def with_preselect(facts: UnitFacts, dp: Any) -> UnitFacts:
         return facts
     what = (f"the one-shot row pre-selection: Gaussian, σ={pre.sigma:g} on ℓ2-normalised contribution counts, "
             f"≤ {pre.rows} rows kept (only they are ever updated)")
+    return replace(facts, includes=(*facts.includes, what))
+
+
+def with_batch_bound(facts: UnitFacts, *, bound: int | None, delta_b: float, units: str) -> UnitFacts:
+    """``facts`` with the truncated Poisson batches (``dp.max_batch_size``: at most ``bound`` ``units`` per batch, a
+    larger one cut to a random ``bound`` of them; ``widedp.dp.sampling``) and their share ``delta_b`` of δ among what
+    ε includes; unchanged without a bound."""
+    if bound is None:
+        return facts
+    what = f"batches of at most {bound:,} {units} (truncated Poisson; δ_B={delta_b:.3g} of δ)"
     return replace(facts, includes=(*facts.includes, what))

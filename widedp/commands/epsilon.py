@@ -6,13 +6,14 @@ cap) from the task's n, rows and units (``widedp.tasks.Task.shape``), so the fig
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
 from widedp import accounting
-from widedp.accounting.statement import for_config, for_run
+from widedp.accounting.statement import for_config, for_run, with_batch_bound
 from widedp.config import Config
-from widedp.dp import units
+from widedp.dp import sampling, units
 from widedp.errors import ConfigError
 from widedp.extras import needs
 from widedp.run import plan as plans
@@ -23,18 +24,17 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
     """What ``cfg`` would spend (``epsilon``: everything, at ``dp.delta``), its settings, and ``privacy``: the
     statement the run would make. With privacy units, a DP vocabulary or a row pre-selection also ``n_units``,
     ``privacy_unit``, ..., ``epsilon_training_only`` (the steps alone, at ``dp.delta``), ``vocabulary`` and
-    ``preselect``."""
+    ``preselect``; with ``dp.max_batch_size``, ``max_batch_size`` (B, δ_B, ε̄, ...)."""
     task = get_task(cfg.task)
     if isinstance(task, AlgorithmTask):
         return task.epsilon_report(cfg)
     if cfg.dp is None:
         raise ConfigError("epsilon: the config has no dp: section (non-private training spends no budget)")
-    prefix = plans.prefix_of(cfg)
     shape = task.shape(cfg)
     grouped = task.units(cfg, shape.train, device="cpu")
     n_units = grouped.num_units if grouped is not None else shape.n
-    plan = plans.plan(cfg, prefix, num_rows=shape.num_rows, n=n_units)
-    dp, b = plan.dp, cfg.train.batch_size
+    plan = plans.plan(cfg, plans.prefix_of(cfg), num_rows=shape.num_rows, n=n_units)
+    dp, b, prefix = plan.dp, cfg.train.batch_size, plan.prefix  # the prefix with dp.max_batch_size's δ_B
     steps = plans.total_steps(cfg, n_units)
     if plan.cap is not None:
         steps = min(steps, plan.cap)
@@ -49,11 +49,16 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
         rep["max_samples_per_unit"] = cfg.data.max_samples_per_unit
     if prefix.entries:
         _with_prefix(rep, cfg, plan, steps)
+    facts = for_config(task.privacy(cfg), cfg)
+    if prefix.batch_bound is not None:
+        _with_bound(rep, plan, steps)
+        facts = with_batch_bound(facts, bound=prefix.batch_bound, delta_b=prefix.batch_delta,
+                                 units=f"{units.privacy_unit(cfg)}s")
     accountant = dp.accountant
     if dp.engine == "opacus":  # the run reports Opacus' own accountant: so does its plan
         accountant = _opacus(rep, dp, plans.sampling_rate(dp, b, n_units), steps)
-    st = for_run(for_config(task.privacy(cfg), cfg), epsilon=rep["epsilon"], delta=dp.delta,
-                 accountant=accountant, private_rng=dp.rng == "secure")
+    st = for_run(facts, epsilon=rep["epsilon"], delta=dp.delta, accountant=accountant,
+                 private_rng=dp.rng == "secure")
     return {"privacy": st.text} | rep
 
 
@@ -94,3 +99,22 @@ def _with_prefix(rep: dict[str, Any], cfg: Config, plan: plans.DPPlan, steps: in
                              "epsilon_alone": plans.composed_epsilon(first, dp, []),
                              "accounting": f"ledger eps at delta - {v.delta:g} (vocabulary Gaussian + steps) "
                                            f"+ ln(1/(1 - {v.delta:g}))"}
+
+
+def _with_bound(rep: dict[str, Any], plan: plans.DPPlan, steps: int) -> None:
+    """``dp.max_batch_size``: its resolved B, δ_B and what it is computed from; ``epsilon_pld`` / ``epsilon_rdp``
+    (and ``epsilon``) as the run reports them: at δ − δ_τ − δ_B, each settled against ε̄ (``plans.composed_epsilon``)."""
+    prefix, dp = plan.prefix, plan.dp
+    if not prefix.entries:  # (``_with_prefix`` computed them already)
+        for key, acct in (("epsilon_pld", "pld"), ("epsilon_rdp", "rdp")):
+            rep[key] = plans.composed_epsilon(prefix, dp, [(plan.spend, steps)] if steps else [], acct)
+        rep["epsilon"] = rep["epsilon_pld"] if dp.accountant == "pld" else rep["epsilon_rdp"]
+    assert prefix.batch_bound is not None
+    rep["delta"] = dp.delta
+    log_tail = sampling.log_overflow(prefix.batch_units + 1, prefix.batch_rate, prefix.batch_bound)
+    rep["max_batch_size"] = {
+        "bound": prefix.batch_bound, "auto": dp.max_batch_size == "auto", "delta_batch": prefix.batch_delta,
+        "epsilon_bar": prefix.epsilon_bar, "steps": prefix.batch_steps, "n_units": prefix.batch_units,
+        "sampling_rate": prefix.batch_rate, "overflow_per_step": math.exp(log_tail),
+        "accounting": "truncated Poisson: ledger eps at delta - delta_tau - delta_B, delta_B = (1 + e^eps_bar) * T * "
+                      "P[Binomial(N + 1, q) > B] (widedp.dp.sampling)"}

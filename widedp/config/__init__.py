@@ -198,6 +198,9 @@ class DPConfig:
             Such a δ is met by a mechanism that publishes each unit in the clear with probability δ (δ·N of them on
             average; δ = 0.5 reports ε = 0), so a new run refuses it unless this is true; the statement always
             prints δ. Not part of the config's hash (it changes no computation).
+        max_batch_size: null (plain Poisson) | B >= 1 | ``auto``: at most B training units per batch (truncated
+            Poisson; a per-step memory bound), charged as δ_B of ``delta`` (``widedp.dp.sampling``, ``run.plan``);
+            ``auto``: the smallest B with δ_B <= delta / 1000. The widedp engine only.
     """
 
     clip1: float = 15.0
@@ -214,8 +217,15 @@ class DPConfig:
     preselect: PreselectConfig | None = None
     sampling_rate: float | None = None
     allow_large_delta: bool = False
+    max_batch_size: int | str | None = None
 
     def __post_init__(self) -> None:
+        b = self.max_batch_size
+        if b is not None and not (b == "auto" or (type(b) is int and b >= 1)):
+            raise ConfigError(f"dp.max_batch_size: expected a positive integer, auto or null, got {show(b)}")
+        if b is not None and self.engine != "widedp":
+            raise ConfigError(f"dp.max_batch_size: bounds widedp's own Poisson batches; dp.engine: {self.engine} "
+                              "draws its own, unbounded (leave dp.max_batch_size null there)")
         if self.sampling_rate is not None and not 0 < self.sampling_rate <= 1:
             raise ConfigError(f"dp.sampling_rate: must be in (0, 1], got {self.sampling_rate}")
         self._check_noise()
@@ -244,7 +254,6 @@ class DPConfig:
                 f"dp.calibrate: selection_epsilon needs a selection with a privacy parameter (its config's "
                 f"with_privacy knob), not {self.selection.name!r}"
             )
-
 
     def _check_noise(self) -> None:
         """``noise``'s value and what ``noise: secure`` does not cover (one line naming the key)."""
@@ -295,8 +304,9 @@ class Config:
         pre = (d.get("dp") or {}).get("preselect")
         if pre is not None and pre.get("table_rows") is None:  # (added later: hashes only when set)
             del pre["table_rows"]
-        if d.get("dp") is not None and d["dp"].get("sampling_rate") is None:  # (added later: hashes only when set)
-            d["dp"].pop("sampling_rate", None)
+        for key in ("sampling_rate", "max_batch_size"):  # (added later: hash only when set)
+            if d.get("dp") is not None and d["dp"].get(key) is None:
+                d["dp"].pop(key, None)
         if d.get("dp") is not None:  # a guard's opt-out, not a computation
             d["dp"].pop("allow_large_delta", None)
         if d.get("dp") is not None and d["dp"].get("noise") == "gaussian":  # (added later: hashes when not default)

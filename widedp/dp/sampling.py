@@ -2,11 +2,25 @@
 
 Both samplers are *stateless per step*: the batch of global step ``t`` is a pure function of (seed, t), so a run
 resumed from a checkpoint at step t sees exactly the batches an uninterrupted run would have seen.
+
+Truncated Poisson sampling (``dp.max_batch_size``: B; Chua et al. 2024, "Scalable DP-SGD: Shuffling vs. Poisson
+Subsampling"): each step's batch is drawn by Poisson sampling; when it holds m > B units, a uniformly random B of
+them are kept (the first B of its uniformly random order), so a non-overflowing step is the plain Poisson batch.
+Privacy: couple the truncated run M' with the plain run M on the same randomness; they differ only on the event E
+that some step overflows, and on any dataset of at most N + 1 units (q fixed, as the accountant assumes)
+P(E) <= eta = T * P[Binomial(N + 1, q) > B] over T steps. If M is (eps, delta_L)-DP then for every S and neighbours
+D, D': P[M'(D) in S] <= P[M(D) in S] + eta <= e^eps P[M(D') in S] + delta_L + eta
+<= e^eps P[M'(D') in S] + delta_L + (1 + e^eps) eta: M' is (eps, delta_L + delta_B) with
+delta_B = (1 + e^eps) * eta (``truncation_delta``). The count of truncated steps, released with the run, is 0 off E,
+so (M', count) obeys the same bound. ``widedp.run.plan`` charges delta_B (at an eps_bar >= every reported eps).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+from scipy.stats import binom
 from torch import Tensor
 
 from widedp.dp import rng
@@ -26,36 +40,83 @@ class PoissonSampler:
 
     The batch size is Binomial(n, q); the members are a uniform subset of that size, in random order
     (``uniform_subsets``). Steps are drawn ``_CHUNK`` at a time, in O(sum of their batch sizes) time and memory.
+    ``max_batch_size`` B (None: unbounded): a batch of m > B keeps its first B members, a uniformly random B of them
+    in random order (truncated Poisson, module docstring); ``truncated(step)`` says whether step's batch was cut.
     """
 
-    def __init__(self, n: int, *, sampling_rate: float, seed: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, n: int, *, sampling_rate: float, seed: int, device: torch.device | str = "cpu",
+                 max_batch_size: int | None = None) -> None:
         if not 0 < sampling_rate <= 1:
             raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
-        self.n, self.q, self.seed = n, sampling_rate, seed
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.n, self.q, self.seed, self.bound = n, sampling_rate, seed, max_batch_size
         self.device = torch.device(device)
         self._chunk_id = -1
         self._batches: list[Tensor] = []
+        self._cut: list[bool] = []
 
     def batch(self, step: int) -> Tensor:
-        """[m] int64 indices (on ``device``) of the examples in global step ``step``'s batch."""
-        chunk, pos = divmod(step, _CHUNK)
-        if chunk != self._chunk_id:
-            self._batches = self._draw_chunk(chunk)
-            self._chunk_id = chunk
-        return self._batches[pos]
+        """[min(m, B)] int64 indices (on ``device``) of the examples in global step ``step``'s batch."""
+        self._load(step)
+        return self._batches[step % _CHUNK]
 
-    def _draw_chunk(self, chunk: int) -> list[Tensor]:
-        """The chunk's batches: views into one [sum m] tensor on ``device``."""
+    def truncated(self, step: int) -> bool:
+        """Whether step ``step``'s Poisson batch held more than ``max_batch_size`` examples (and was cut)."""
+        self._load(step)
+        return self._cut[step % _CHUNK]
+
+    def _load(self, step: int) -> None:
+        chunk = step // _CHUNK
+        if chunk != self._chunk_id:
+            self._batches, self._cut = self._draw_chunk(chunk)
+            self._chunk_id = chunk
+
+    def _draw_chunk(self, chunk: int) -> tuple[list[Tensor], list[bool]]:
+        """The chunk's batches (views into one [sum m] tensor on ``device``, each cut to B) and which were cut."""
         g = _gen(self.seed, chunk, self.device)
         counts = self._sizes(g)
         flat = uniform_subsets(counts, self.n, generator=g)
-        return list(torch.split(flat.to(self.device, non_blocking=True), counts.tolist()))
+        batches = list(torch.split(flat.to(self.device, non_blocking=True), counts.tolist()))
+        if self.bound is None:
+            return batches, [False] * len(batches)
+        return [x[: self.bound] for x in batches], (counts > self.bound).tolist()
 
     def _sizes(self, g: torch.Generator) -> Tensor:
         """[_CHUNK] int64 Binomial(n, q) batch sizes. In float64: float32 rounds n above 2^24 (2^24 + 1 -> 2^24) and
         q to 24 bits, which is then not the q the accountant charges."""
         n, q = (torch.full((_CHUNK,), v, dtype=torch.float64) for v in (float(self.n), self.q))
         return torch.binomial(n, q, generator=g).long()
+
+
+def log_overflow(n: int, q: float, bound: int) -> float:
+    """ln P[Binomial(n, q) > bound]: one step's overflow probability over n units (-inf where it underflows, e.g.
+    bound >= n). Exact to float64 relative precision far into the tail (scipy's regularised incomplete beta)."""
+    return float(binom.logsf(bound, n, q))
+
+
+def truncation_delta(*, steps: int, n: int, q: float, bound: int, epsilon_bar: float) -> float:
+    """delta_B = (1 + e^eps_bar) * steps * P[Binomial(n + 1, q) > bound] (module docstring), valid for every
+    reported eps <= ``epsilon_bar`` over ``steps`` steps on N = ``n`` units (a neighbour has at most n + 1); in log
+    space (e^eps_bar may overflow a float)."""
+    log_eta = math.log(max(steps, 1)) + log_overflow(n + 1, q, bound)
+    if log_eta == -math.inf:
+        return 0.0
+    log_d = math.log1p(math.exp(-epsilon_bar)) + epsilon_bar + log_eta if epsilon_bar > 0 else math.log(2) + log_eta
+    return math.exp(log_d) if log_d < 700 else math.inf
+
+
+def smallest_bound(*, steps: int, n: int, q: float, epsilon_bar: float, delta_b: float) -> int:
+    """The smallest B >= 1 whose ``truncation_delta`` is at most ``delta_b`` (binary search; B = n + 1 never
+    overflows, so one exists)."""
+    lo, hi = 1, n + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if truncation_delta(steps=steps, n=n, q=q, bound=mid, epsilon_bar=epsilon_bar) <= delta_b:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def uniform_subsets(counts: Tensor, n: int, *, generator: torch.Generator) -> Tensor:

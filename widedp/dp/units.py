@@ -103,15 +103,23 @@ class UnitBatch:
 
 class UnitPoissonSampler:
     """Every unit joins each step's batch independently with probability ``sampling_rate``, with all its kept
-    samples. Stateless per step (``PoissonSampler`` over unit ids), so a resumed run replays the same batches."""
+    samples. Stateless per step (``PoissonSampler`` over unit ids), so a resumed run (and every rank of a sharded
+    one) draws the same batches. ``max_batch_size``: at most that many UNITS per batch (truncated Poisson,
+    ``widedp.dp.sampling``); a batch then holds at most ``max_batch_size * units.cap`` samples."""
 
-    def __init__(self, units: Units, *, sampling_rate: float, seed: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, units: Units, *, sampling_rate: float, seed: int, device: torch.device | str = "cpu",
+                 max_batch_size: int | None = None) -> None:
         self.units = units
         self.q = sampling_rate
-        self._sampler = PoissonSampler(units.num_units, sampling_rate=sampling_rate, seed=seed, device=device)
+        self._sampler = PoissonSampler(units.num_units, sampling_rate=sampling_rate, seed=seed, device=device,
+                                       max_batch_size=max_batch_size)
 
     def draw(self, step: int) -> UnitBatch:
         return self.units.batch(self._sampler.batch(step).to(self.units.offsets.device))  # [N_b] distinct unit ids
+
+    def truncated(self, step: int) -> bool:
+        """Whether step ``step``'s Poisson batch held more than ``max_batch_size`` units (and was cut)."""
+        return self._sampler.truncated(step)
 
 
 def group_rows(g: PerSampleRows, segment: Tensor, *, num_units: int) -> PerSampleRows:

@@ -10,18 +10,29 @@ sampling rate 1, recorded in the ledger once before the first step. The vocabula
 Calibration and the budget stop solve for that same figure through the accountant's one solver
 (``widedp.accounting.calibrate``, its ``prefix=``), at the shifted δ and target. Which knob calibration moves is the
 selection's own (``with_privacy`` on its config class); one without it cannot calibrate ``selection_epsilon``.
+
+Bounded batches (``dp.max_batch_size``: B, truncated Poisson, ``widedp.dp.sampling``) add δ_B = (1 + e^ε̄)·η,
+η = T·P[Binomial(N + 1, q) > B], to the δ no ledger entry carries: the ledger is evaluated at
+δ − δ_τ − δ_B, where ε̄ must bound every ε then reported with it (including the vocabulary's ln(1/(1 − δ_τ))).
+ε̄ is ``dp.target_epsilon`` when set (calibration and the budget stop keep the run's ε at or below it); without a
+target, the whole run's ε at δ − δ_τ − δ/1000 for ``auto`` (whose B keeps δ_B <= δ/1000, so no reported ε exceeds
+it), or for a given B the least ε̄ found that covers the whole run's ε at its own δ_B (``_settled``). A figure that
+still exceeds ε̄ (more steps than planned, the RDP cross-check) is settled the same way on its own: ε̄ raised to
+it, δ_B recomputed, until it is covered (else ∞). Every (ε, δ) printed is thus (ε_L + ln(1/(1 − δ_τ)),
+δ_L + δ_τ + δ_B) with ε at most the ε̄ of its δ_B.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from widedp import accounting
 from widedp.accounting.pld import PLDRangeError
 from widedp.config import Config, DPConfig
-from widedp.dp import units
+from widedp.dp import sampling, units
 from widedp.dp.selection import make_selector
 from widedp.dp.spend import GaussianSpend, StepSpend
 from widedp.dp.step import dp_step_spend
@@ -90,11 +101,17 @@ def preselect_runs(dp: DPConfig) -> list[tuple[StepSpend, int]]:
 class Prefix:
     """entries: steps recorded before the first training step (each once); threshold_delta: δ spent outside the
     ledger (the vocabulary's threshold); vocabulary: the run draws a DP vocabulary (its entry is ``entries[0]``; the
-    task's build releases it, ``widedp.tasks.Task.build``'s ``noise_seed``)."""
+    task's build releases it, ``widedp.tasks.Task.build``'s ``noise_seed``); batch_*: the truncated batches'
+    δ_B, also outside the ledger (``batch_delta``, module docstring)."""
 
     entries: tuple[StepSpend, ...] = ()
     threshold_delta: float = 0.0
     vocabulary: bool = False
+    batch_bound: int | None = None  # B of dp.max_batch_size (resolved); the rest: what δ_B is computed from
+    batch_units: int = 0  # N
+    batch_rate: float = 1.0  # q
+    batch_steps: int = 0  # T
+    epsilon_bar: float = 0.0  # ε̄
 
     @property
     def runs(self) -> list[tuple[StepSpend, int]]:
@@ -105,9 +122,23 @@ class Prefix:
         """ln(1 / (1 - δ_τ)): the remove direction's factor (``widedp.dp.vocab``)."""
         return -math.log1p(-self.threshold_delta)
 
+    @property
+    def batch_delta(self) -> float:
+        """δ_B = (1 + e^ε̄)·T·P[Binomial(N + 1, q) > B]; 0 without a bound."""
+        if self.batch_bound is None:
+            return 0.0
+        return sampling.truncation_delta(steps=self.batch_steps, n=self.batch_units, q=self.batch_rate,
+                                         bound=self.batch_bound, epsilon_bar=self.epsilon_bar)
+
     def accounting_delta(self, delta: float) -> float:
-        """The δ the ledger is evaluated at: the run's δ minus the threshold's."""
-        d = delta - self.threshold_delta
+        """The δ the ledger is evaluated at: the run's δ minus the threshold's and the truncated batches'."""
+        d = delta - self.threshold_delta - self.batch_delta
+        if not d > 0 and self.batch_bound is not None:
+            also = f" (with the vocabulary's δ_τ={self.threshold_delta:g})" if self.threshold_delta else ""
+            raise ConfigError(f"dp.max_batch_size: {self.batch_bound:,} units per batch spends δ_B="
+                              f"{self.batch_delta:.3g}{also}, not below dp.delta ({delta:g}), at T={self.batch_steps:,}"
+                              f" steps, N={self.batch_units:,}, q={self.batch_rate:.4g}, ε̄={self.epsilon_bar:.4g}; "
+                              "raise it, or use auto")
         if not d > 0:
             raise ConfigError(f"data.vocab_dp.delta: {self.threshold_delta:g} must be below dp.delta ({delta:g})")
         return d
@@ -133,24 +164,66 @@ def prefix_of(cfg: Config) -> Prefix:
 
 def composed_epsilon(prefix: Prefix, dp: DPConfig, runs: list[tuple[StepSpend, int]],
                      accountant: str | None = None) -> float:
-    """ε of the prefix composed with ``runs`` [(step spend, count)] at the run's δ (inf out of PLD range)."""
+    """ε of the prefix composed with ``runs`` [(step spend, count)] at the run's δ (inf out of PLD range), settled
+    against the truncated batches' ε̄ (``_settled``)."""
+    return _settled(lambda p: _composed(p, dp, runs, accountant), prefix)
+
+
+def _composed(prefix: Prefix, dp: DPConfig, runs: list[tuple[StepSpend, int]], accountant: str | None,
+              delta: float | None = None) -> float:
+    """``composed_epsilon`` at ``prefix.accounting_delta`` (or the ledger's δ ``delta``), not settled."""
+    at = prefix.accounting_delta(dp.delta) if delta is None else delta
     try:
-        e = accounting.compose_epsilon(prefix.runs + runs, delta=prefix.accounting_delta(dp.delta),
-                                       accountant=accountant or dp.accountant)
+        e = accounting.compose_epsilon(prefix.runs + runs, delta=at, accountant=accountant or dp.accountant)
     except PLDRangeError:
         return math.inf
     return e + prefix.epsilon_extra
 
 
+#: how often ``_settled`` raises ε̄ before it reports ∞
+_SETTLE_TRIES = 6
+
+
+def _settled(evaluate: Callable[[Prefix], float], prefix: Prefix) -> float:
+    """``evaluate(prefix)``, an ε at ``prefix.accounting_delta``, valid with the truncated batches' δ_B only when it is
+    at most ε̄: otherwise ε̄ is raised just above it and the figure recomputed (smaller δ_L, larger δ_B), until it
+    is covered; ∞ when it never is or δ_B leaves no δ."""
+    e = evaluate(prefix)
+    for _ in range(_SETTLE_TRIES):
+        if prefix.batch_bound is None or e <= prefix.epsilon_bar:
+            return e
+        prefix = replace(prefix, epsilon_bar=e * (1 + 1e-3) + 1e-3)
+        try:
+            e = evaluate(prefix)
+        except ConfigError:  # δ_B at the raised ε̄ is not below δ
+            return math.inf
+    return math.inf
+
+
 def epsilons(dp: DPConfig, ledger: accounting.Ledger, prefix: Prefix | None = None) -> dict[str, Any]:
     """What a run reports for its ledger (the prefix's entries are in it): ``epsilon`` by the run's accountant,
-    ``epsilon_accountant`` naming it, ``epsilon_rdp`` (the cross-check); 0 for an empty ledger."""
+    ``epsilon_accountant`` naming it, ``epsilon_rdp`` (the cross-check); 0 for an empty ledger. With bounded batches
+    also ``delta_batch`` (δ_B at ε̄), each figure settled against ε̄ (``_settled``) over at least the steps drawn."""
     prefix = prefix or Prefix()
+    trained = ledger.steps - len(prefix.entries)
+    if prefix.batch_bound is not None and trained > prefix.batch_steps:  # more steps drawn than planned
+        prefix = replace(prefix, batch_steps=trained)
     out = accounting.headline_epsilons(ledger, delta=prefix.accounting_delta(dp.delta), accountant=dp.accountant)
     if ledger.steps and prefix.threshold_delta:
         out["epsilon"] += prefix.epsilon_extra
         out["epsilon_rdp"] += prefix.epsilon_extra
-    return out
+    if prefix.batch_bound is None or not ledger.steps:
+        return out
+    for key, acct in (("epsilon", dp.accountant), ("epsilon_rdp", "rdp")):
+        if out[key] > prefix.epsilon_bar:
+            out[key] = _settled(lambda p, a=acct: _ledger_epsilon(p, dp, ledger, a), prefix)
+    return {**out, "delta_batch": prefix.batch_delta}
+
+
+def _ledger_epsilon(prefix: Prefix, dp: DPConfig, ledger: accounting.Ledger, accountant: str) -> float:
+    """The ledger's ε by ``accountant`` at ``prefix.accounting_delta`` (the vocabulary's factor included)."""
+    out = accounting.headline_epsilons(ledger, delta=prefix.accounting_delta(dp.delta), accountant=accountant)
+    return out["epsilon"] + (prefix.epsilon_extra if prefix.threshold_delta else 0.0)
 
 
 def calibrated(dp: DPConfig, *, steps: int, batch_size: int, num_rows: int, n: int,
@@ -203,10 +276,58 @@ class DPPlan:
 def plan(cfg: Config, prefix: Prefix, *, num_rows: int, n: int, new: bool = True) -> DPPlan:
     """The plan of ``cfg`` over ``n`` training samples (or units) and ``num_rows`` selectable rows, after
     ``prefix``: the same for a run (``widedp.run.trainers``) and for ``widedp epsilon``
-    (``widedp.commands.epsilon``). ``new``: not a resumed run (``check_data``)."""
+    (``widedp.commands.epsilon``). ``new``: not a resumed run (``check_data``). The plan's prefix carries the
+    truncated batches' bound and δ_B (``bounded``)."""
     assert cfg.dp is not None
     check_data(cfg, n, new=new)
-    b = cfg.train.batch_size
-    dp = calibrated(cfg.dp, steps=total_steps(cfg, n), batch_size=b, num_rows=num_rows, n=n, prefix=prefix)
+    b, steps = cfg.train.batch_size, total_steps(cfg, n)
+    prefix = bounded(cfg, prefix, n=n, steps=steps,
+                     spend=lambda: step_spend(cfg.dp, num_rows=num_rows, batch_size=b, n=n))  # type: ignore[arg-type]
+    dp = calibrated(cfg.dp, steps=steps, batch_size=b, num_rows=num_rows, n=n, prefix=prefix)
     spend = step_spend(dp, num_rows=num_rows, batch_size=b, n=n)
     return DPPlan(prefix, dp, spend, budget_steps(dp, spend, prefix))
+
+
+#: ``dp.max_batch_size: auto``: the smallest B whose δ_B is at most dp.delta / AUTO_SHARE
+AUTO_SHARE = 1000
+
+
+def bounded(cfg: Config, prefix: Prefix, *, n: int, steps: int, spend: Callable[[], StepSpend]) -> Prefix:
+    """``prefix`` with the truncated batches of ``dp.max_batch_size`` (unchanged when null) over ``n`` units and
+    ``steps`` steps, each spending ``spend()`` (the uncalibrated step: without a target nothing is calibrated): B
+    resolved (``auto``), ε̄ chosen and verified (module docstring). A B whose δ_B leaves no δ: one line naming
+    the key."""
+    dp = cfg.dp
+    assert dp is not None
+    if dp.max_batch_size is None:
+        return prefix
+    q = sampling_rate(dp, cfg.train.batch_size, n)
+    auto = dp.max_batch_size == "auto"
+    if dp.target_epsilon is not None:
+        bar = dp.target_epsilon  # calibration and the budget stop keep every reported ε at or below it
+    else:
+        runs = [(spend(), steps)]  # auto: ε at δ − δ_τ − δ/1000 bounds ε at δ_B <= δ/1000; a given B: a first guess
+        at = prefix.accounting_delta(dp.delta) - dp.delta / AUTO_SHARE * auto
+        if not at > 0:
+            raise ConfigError(f"dp.max_batch_size: auto needs dp.delta / {AUTO_SHARE} beside data.vocab_dp.delta "
+                              f"({prefix.threshold_delta:g}) within dp.delta ({dp.delta:g}); lower the latter")
+        bar = _composed(prefix, dp, runs, None, at)
+    bound = (sampling.smallest_bound(steps=steps, n=n, q=q, epsilon_bar=bar, delta_b=dp.delta / AUTO_SHARE) if auto
+             else int(dp.max_batch_size))
+    out = replace(prefix, batch_bound=bound, batch_units=n, batch_rate=q, batch_steps=steps, epsilon_bar=bar)
+    out.accounting_delta(dp.delta)  # refuses a δ_B that leaves no δ
+    if dp.target_epsilon is None and not auto:
+        out = _settled_bar(lambda p: _composed(p, dp, runs, None), out)
+    return out
+
+
+def _settled_bar(evaluate: Callable[[Prefix], float], prefix: Prefix) -> Prefix:
+    """``prefix`` with ε̄ raised (as ``_settled``) until ``evaluate(prefix) <= ε̄``; one line naming the key when it
+    never is."""
+    for _ in range(_SETTLE_TRIES):
+        e = evaluate(prefix)
+        if e <= prefix.epsilon_bar:
+            return prefix
+        prefix = replace(prefix, epsilon_bar=e * (1 + 1e-3) + 1e-3)  # its δ_B leaving no δ: accounting_delta refuses
+    raise ConfigError(f"dp.max_batch_size: {prefix.batch_bound:,} units per batch: no ε̄ covers the run's ε with its "
+                      f"own δ_B (last ε={e:.4g}); raise it, or use auto")

@@ -52,6 +52,7 @@ class PrivateTrainer:
         self.ledger = self._prefix_ledger()
         self.plan = plan.plan(self.cfg, self.prefix, num_rows=num_rows, n=n, new=not self.resumed)
         self.dp, self.spend, self.cap = self.plan.dp, self.plan.spend, self.plan.cap
+        self.prefix = self.plan.prefix  # with dp.max_batch_size's bound and δ_B (plan.bounded)
         b = self.cfg.train.batch_size
         self.n_draw, self.sampling_rate = n, plan.sampling_rate(self.dp, b, n)
         if self.is_writer and not 0.5 <= self.sampling_rate * n / b <= 2:  # a fixed q far from b/N: utility only

@@ -233,7 +233,8 @@ class ShardedDPTrainer(SparseDPTrainer):
     def interval_stats(self, steps: int, step: int) -> dict[str, Any]:
         rows, *_, nonfinite = self._stats.tolist()  # (touched_share is this rank's part: not logged)
         self._stats.zero_()
-        return {"rows_selected": rows / steps, **self._nonfinite_stats(int(nonfinite), step)}
+        return {"rows_selected": rows / steps, **self._nonfinite_stats(int(nonfinite), step),
+                **self._truncation_stats()}
 
     def eval_model(self) -> Any:
         return self.sharded  # its forward is a collective: every rank evaluates
@@ -252,13 +253,15 @@ class ShardedDPTrainer(SparseDPTrainer):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"ledger": self.ledger.to_json(), "world_size": self.world, "dcp": self._written, "model": {}}
+        state = {"ledger": self.ledger.to_json(), "world_size": self.world, "dcp": self._written, "model": {},
+                 **self._truncated_state()}
         if self._best:  # (its weights are in the DCP checkpoint)
             state["best"] = {**self._best, "model": {}}
         return state
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
         step, name = ckpt["step"], ckpt.get("dcp")
+        self.truncated_steps = int(ckpt.get("truncated_steps", 0))
         ranks.agree(shards.check(self.out, name))
         best = ckpt.get("best") or {}
         kept = {k: torch.empty_like(w) for k, w in self._tables()} if "epoch" in best else None

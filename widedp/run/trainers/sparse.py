@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from widedp.accounting.statement import for_config
+from widedp.accounting.statement import for_config, with_batch_bound
 from widedp.config import Config
 from widedp.dp import rng, units
 from widedp.dp.layout import RowLayout, SingleProcess, check_options
@@ -61,6 +61,9 @@ class SparseDPTrainer(PrivateTrainer):
         # one-shot row pre-selection, dp.preselect, drawn here), calibration, the per-step spend, the budget cap,
         # and the selector every step uses (over the pre-selected rows only).
         self._plan(num_rows=self.module.num_rows, n=n_dp)
+        self.facts = with_batch_bound(self.facts, bound=self.prefix.batch_bound, delta_b=self.prefix.batch_delta,
+                                      units=f"{units.privacy_unit(cfg)}s")
+        self.truncated_steps = self._truncated_since = 0  # dp.max_batch_size: steps whose batch was cut
         self.pre = self._preselect()
         self.selector = preselect_setup.restrict_selector(
             make_selector(self.dp.selection, num_rows=self.module.num_rows,
@@ -81,11 +84,13 @@ class SparseDPTrainer(PrivateTrainer):
                                      noise_seed=self.seeds.noise, resume=self.resumed)
 
     def _make_sampler(self) -> Any:
-        """The Poisson sampler of examples (or of units) seeded by ``self.seeds.sampling``."""
-        q, seed, n = self.sampling_rate, self.seeds.sampling, len(self._split)
+        """The Poisson sampler of examples (or of units) seeded by ``self.seeds.sampling``, its batches cut to
+        ``dp.max_batch_size`` (the plan's resolved bound; None: unbounded)."""
+        q, seed, n, bound = self.sampling_rate, self.seeds.sampling, len(self._split), self.prefix.batch_bound
         if self.grouped is None:
-            return PoissonSampler(n, sampling_rate=q, seed=seed, device=self.device)
-        return units.UnitPoissonSampler(self.grouped, sampling_rate=q, seed=seed, device=self.device)
+            return PoissonSampler(n, sampling_rate=q, seed=seed, device=self.device, max_batch_size=bound)
+        return units.UnitPoissonSampler(self.grouped, sampling_rate=q, seed=seed, device=self.device,
+                                        max_batch_size=bound)
 
     def _reseed(self) -> None:
         super()._reseed()
@@ -95,9 +100,28 @@ class SparseDPTrainer(PrivateTrainer):
         return task.row_optimizer(self.cfg, self.module)
 
     def start(self) -> dict[str, Any]:
-        return {"n_units": self.n_draw if self.grouped is not None else None, **super().start()}
+        out = {"n_units": self.n_draw if self.grouped is not None else None, **super().start()}
+        if self.prefix.batch_bound is not None:
+            out["dp"].update(self._bound_summary())
+        return out
+
+    def _bound_summary(self) -> dict[str, Any]:
+        """``dp.max_batch_size``'s resolved bound, its δ_B and the ε̄ it holds for (``widedp.run.plan``)."""
+        p = self.prefix
+        return {"max_batch_size": p.batch_bound, "delta_batch": p.batch_delta, "epsilon_bar": p.epsilon_bar}
+
+    def _truncation_stats(self) -> dict[str, Any]:
+        """The interval's ``truncated_steps`` (with a bound; never silent), counted from zero again."""
+        if self.prefix.batch_bound is None:
+            return {}
+        out = {"truncated_steps": self._truncated_since}
+        self._truncated_since = 0
+        return out
 
     def sample(self, step: int) -> Drawn:
+        if self.prefix.batch_bound is not None and self._sampler.truncated(step):
+            self.truncated_steps += 1
+            self._truncated_since += 1
         units_drawn = None
         if self.grouped is None:
             idx = self._sampler.batch(step)
@@ -132,16 +156,22 @@ class SparseDPTrainer(PrivateTrainer):
     def interval_stats(self, steps: int, step: int) -> dict[str, Any]:
         s = (self._stats / steps).tolist()
         self._stats.zero_()
-        return {**dict(zip(_STATS, s)), **self._nonfinite_stats(int(round(s[4] * steps)), step)}
+        return {**dict(zip(_STATS, s)), **self._nonfinite_stats(int(round(s[4] * steps)), step),
+                **self._truncation_stats()}
 
     def eval_model(self) -> Any:
         return self._model
 
     def state_dict(self) -> dict[str, Any]:
         # (the journal is written ahead of each interval, never lowered at a checkpoint)
-        return {"optimizer": self.optimizer.state_dict(), "ledger": self.ledger.to_json()}
+        return {"optimizer": self.optimizer.state_dict(), "ledger": self.ledger.to_json(), **self._truncated_state()}
+
+    def _truncated_state(self) -> dict[str, Any]:
+        """The run's ``truncated_steps`` so far, for the checkpoint (with a bound)."""
+        return {"truncated_steps": self.truncated_steps} if self.prefix.batch_bound is not None else {}
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
+        self.truncated_steps = int(ckpt.get("truncated_steps", 0))
         self.optimizer.load_state_dict(ckpt["optimizer"])
         step = ckpt["step"]
         states = rng.load_states(self.out, step) if self.replayable else None  # (a damaged file: ConfigError)
@@ -161,4 +191,6 @@ class SparseDPTrainer(PrivateTrainer):
         eps_rdp = run_summary.epoch_epsilons(dp, self.ledger, self.prefix).get("epsilon_rdp", 0.0)
         section = self._dp_summary(stopped=stopped)
         section.update(epsilon=st.epsilon, epsilon_rdp=eps_rdp)
+        if self.prefix.batch_bound is not None:
+            section.update(**self._bound_summary(), truncated_steps=self.truncated_steps)
         return Report(st, section, run_summary.plot_title(dp, st))
