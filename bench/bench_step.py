@@ -233,10 +233,12 @@ VOCAB_METHODS = ("nonprivate_sparse_adam", "dp_sparse_lazy_adam", "dp_sparse_sgd
                  "dp_sparse_vector_lazy_adam")
 
 
-def vocab_sweep(vocabs: list[int], dim: int, batch: int, k: int, steps: int, device: str = "cpu") -> list[dict]:
+def vocab_sweep(vocabs: list[int], dim: int, batch: int, k: int, steps: int, device: str = "cpu",
+                methods: list[str] | None = None) -> list[dict]:
     rows = []
+    every = VOCAB_METHODS + (("dpsgd_dense_lazy_adam",) if device != "cpu" else ())
     for vocab in vocabs:
-        for method in VOCAB_METHODS + (("dpsgd_dense_lazy_adam",) if device != "cpu" else ()):
+        for method in [m for m in every if methods is None or m in methods]:
             cmd = [sys.executable, __file__, "--one", str(vocab), method, str(dim), str(batch), str(k), str(steps),
                    device]
             r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -262,6 +264,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=1024)
     ap.add_argument("--vocab-steps", type=int, default=20)
     ap.add_argument("--device", default="cpu", help="part 2 on this device (cuda: one GPU)")
+    ap.add_argument("--methods", nargs="+", choices=[*VOCAB_METHODS, "dpsgd_dense_lazy_adam"],
+                    help="part 2: only these methods (default: all; dense DP-SGD on a GPU only)")
+    ap.add_argument("--out", help="part 2's JSON (default bench/out/bench_step[_cuda_bB].json)")
     ap.add_argument("--one", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -271,12 +276,13 @@ def main() -> None:
         print(json.dumps(one_vocab_case(int(v), m, int(d), int(b), int(k), int(s), dev) | {"malloc": malloc}))
         return
     OUT.mkdir(parents=True, exist_ok=True)
-    out: dict = {"torch": torch.__version__, "threads": 1, "device": args.device}
+    out: dict = {"torch": torch.__version__, "threads": 1, "device": args.device, "dim": args.dim, "batch": args.batch}
     if args.part in ("paper", "both"):
         out["paper"] = paper_preset(args.steps)
         print(json.dumps(out["paper"], indent=2), flush=True)
     if args.part in ("vocab", "both"):
-        rows = vocab_sweep([int(v) for v in args.vocab], args.dim, args.batch, args.k, args.vocab_steps, args.device)
+        rows = vocab_sweep([int(v) for v in args.vocab], args.dim, args.batch, args.k, args.vocab_steps, args.device,
+                           args.methods)
         out["vocab"] = rows
         by = {(r["vocab"], r["method"]): r for r in rows if "step_ms" in r}
         ratios: dict = {}
@@ -299,8 +305,9 @@ def main() -> None:
         for f in out["failed"]:
             print(f"FAILED V={f['vocab']:g} {f['method']}: {f['error']} (left out of the ratios above)")
     name = "bench_step.json" if args.device == "cpu" else f"bench_step_{args.device.split(':')[0]}_b{args.batch}.json"
-    (OUT / name).write_text(json.dumps(out, indent=2))
-    print(f"wrote {OUT / name}")
+    path = Path(args.out) if args.out else OUT / name
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 15 and 17 as prepared steps for a lent GPU machine (no network there; see
+# The GPU checks as prepared steps for a lent GPU machine (no network there; see
 # ../.library/device/README.md in the workplace, or any CUDA machine with Python 3.12 and a CUDA torch + Triton).
 #
 #   scripts/gpu_check.sh prepare   # HERE (network): wheels the GPU image lacks -> .gpu/whl, Brown -> .gpu/nltk_data
@@ -7,6 +7,11 @@
 #   scripts/gpu_check.sh bench     # THERE: bench_step on CUDA, V = 1e5, 1e6, 1e7, b = 1024 and 8192 (H200: ~5.5 min)
 #   scripts/gpu_check.sh train     # THERE: the default job (DP-sparse CBOW on Brown) on CUDA (H200: 24 s)
 #   scripts/gpu_check.sh all       # THERE: the three in one go, each capped (75 s + 75 s + 2 x 200 s; H200: ~7 min)
+#   scripts/gpu_check.sh wide      # THERE: bench_step at V = 1e7 and 1e8, D = 64, b = 1024: the DP-sparse step, the
+#                                  #   non-private sparse step, dense DP-SGD (or its out-of-memory); peak GPU memory
+#   scripts/gpu_check.sh job       # THERE: bench/job_speed.py: the pair-level job and the default job, samples/s on
+#                                  #   the GPU against one CPU thread of the same machine
+#   scripts/gpu_check.sh lease     # THERE: job, then wide, each capped (2 x 120 s + 240 s): one call under 10 min
 #
 # Run `prepare` again after every change: it builds the widedp wheel that THERE installs.
 #
@@ -50,6 +55,20 @@ run_bench() {  # $1: seconds per batch size
   done
 }
 
+run_wide() {  # $1: seconds
+  timeout "${1:-300}" "$PY" bench/bench_step.py --part vocab --device cuda --vocab 1e7 1e8 --dim 64 --batch 1024 \
+    --vocab-steps 20 --methods nonprivate_sparse_adam dp_sparse_lazy_adam dpsgd_dense_lazy_adam \
+    --out "$OUT/bench_step_wide.json" 2>&1 | tee "$OUT/wide.log"
+}
+
+run_job() {  # $1: seconds per config (CPU and GPU together)
+  for cfg in configs/brown_cbow_sparse_exp.yaml configs/brown_cbow_sentence_wordfreq.yaml; do
+    name=$(basename "$cfg" .yaml)
+    timeout "${1:-240}" "$PY" bench/job_speed.py "$cfg" --devices cpu cuda --steps 600 --log-every 100 \
+      --timeout "$(( ${1:-240} / 2 ))" --out "$OUT/job_$name.json" 2>&1 | tee "$OUT/job_$name.log"
+  done
+}
+
 run_train() {  # $1: seconds
   timeout "${1:-240}" "$PY" -m widedp train configs/brown_cbow_sparse_exp.yaml --set train.device=cuda \
     --out /tmp/run-cuda --no-progress 2>&1 | tee "$OUT/train.log"
@@ -60,7 +79,9 @@ case "${1:-}" in
 prepare)
   mkdir -p .gpu/whl
   grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
-  for spec in nltk==3.10.4 dp-accounting==0.6.0 dm-tree==0.1.9 opacus==1.6.0; do
+  # wordfreq (and what it imports): the default job's public vocabulary (data.vocabulary: wordfreq)
+  for spec in nltk==3.10.4 dp-accounting==0.6.0 dm-tree==0.1.9 opacus==1.6.0 wordfreq==3.1.1 ftfy==6.3.1 \
+      wcwidth==0.9.4 langcodes==3.5.1 locate==1.1.1 msgpack==1.2.4 regex==2026.11.19; do
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 --platform any -d .gpu/whl "$spec" || exit 1
@@ -87,8 +108,21 @@ all)  # one lease: tests, the default job, then the benchmark (the timed part la
   run_train 75
   run_bench 200
   ;;
+wide)
+  install
+  run_wide
+  ;;
+job)
+  install
+  run_job
+  ;;
+lease)  # the step at V = 1e8 and the whole jobs' speed: one call of at most ~9 min (install included)
+  install
+  run_job 120
+  run_wide 240
+  ;;
 *)
-  sed -n '2,17p' "$0"
+  sed -n '2,22p' "$0"
   exit 2
   ;;
 esac
