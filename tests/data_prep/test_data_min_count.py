@@ -54,7 +54,7 @@ def test_brown_full_preset_and_unchanged_hashes() -> None:
         {"data": {"preset": "brown_10k", "min_count": 2}}).hash()
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # the whole of Brown (11 s): CI keeps to tiny data
 def test_brown_full_vocabulary(brown_cache: str) -> None:
     """The figures documented in the preset: V = 13,232 words seen >= 5 times, 2,652,900 pairs."""
     from widedp.data_prep import corpus

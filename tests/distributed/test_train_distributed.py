@@ -139,7 +139,7 @@ CASES = {"cbow": "", "cbow_pool": ", negatives_pool: 6", "cbow_sentence": SENTEN
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task", [*(pytest.param(t, marks=pytest.mark.extended) for t in ("cbow", "cbow_sentence",
-                                   "recsys")), "cbow_pool", "cbow_options", "recsys_user"])
+                                   "recsys", "cbow_pool")), "cbow_options", "recsys_user"])
 def test_two_processes_equal_one_without_noise(tmp_path, task):
     cfg = _recsys(tmp_path, user=task == "recsys_user") if task.startswith("recsys") else _cbow(tmp_path,
                                                                                                  data=CASES[task])
