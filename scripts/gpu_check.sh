@@ -77,6 +77,8 @@ run_train() {  # $1: seconds
 
 case "${1:-}" in
 prepare)
+  # here, the project's venv (make setup) when there is one: building widedp's wheel needs setuptools >= 77
+  [ -x .venv/bin/python ] && PY=.venv/bin/python
   mkdir -p .gpu/whl
   grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
   # wordfreq (and what it imports): the default job's public vocabulary (data.vocabulary: wordfreq)
@@ -86,6 +88,21 @@ prepare)
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 --platform any -d .gpu/whl "$spec" || exit 1
   done
+  # wordfreq's wheel is 55 MB, most of it other languages' lists; only English travels (the 64 MiB carry limit)
+  "$PY" - .gpu/whl/wordfreq-3.1.1-py3-none-any.whl <<'PYEOF' || exit 1
+import re, sys, zipfile
+path = sys.argv[1]
+src = zipfile.ZipFile(path)
+drop = {i.filename for i in src.infolist() if re.fullmatch(r"wordfreq/data/\w+_(?!en\.)\w+\.msgpack\.gz", i.filename)}
+items = {i.filename: src.read(i) for i in src.infolist() if i.filename not in drop}
+src.close()
+record = next(n for n in items if n.endswith(".dist-info/RECORD"))
+items[record] = "".join(line + "\n" for line in items[record].decode().splitlines()
+                        if line.split(",")[0] not in drop).encode()
+with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as out:
+    for name, data in items.items():
+        out.writestr(name, data)
+PYEOF
   rm -rf .gpu/nltk_data && cp -r ../shared/nltk_data .gpu/nltk_data
   rm -rf build .gpu/whl/widedp-*.whl && "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .gpu/whl . || exit 1
   du -sh .gpu
