@@ -126,6 +126,13 @@ def test_overflow_tail_matches_brute_force(n, q, bound):
     assert sampling.log_overflow(n, float(q), n) == -math.inf
 
 
+def test_overflow_tail_below_float_range_is_an_upper_bound():
+    n, q, bound = 2000, Fraction(1, 100), 400  # P ~ 1e-500: scipy's sf underflows
+    exact_log = math.log(_brute_tail(n, q, bound).numerator) - math.log(_brute_tail(n, q, bound).denominator)
+    got = sampling.log_overflow(n, float(q), bound)
+    assert exact_log < -700 and exact_log <= got < exact_log + 0.1  # an upper bound, and a tight one
+
+
 def test_truncation_delta_formula_and_smallest_bound():
     n, q, steps, bar = 300, 0.1, 50, 2.0
     tail = float(_brute_tail(n + 1, Fraction(1, 10), 45))  # a neighbour has N + 1 units

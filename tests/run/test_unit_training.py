@@ -184,6 +184,7 @@ def test_default_keys_keep_old_config_hashes(tmp_path):
     d["dp"].pop("sampling_rate")  # (and before dp.sampling_rate)
     d["dp"].pop("noise")  # (and before dp.noise)
     d["dp"].pop("allow_large_delta")  # (and before dp.allow_large_delta, never hashed)
+    d["dp"].pop("max_batch_size")  # (and before dp.max_batch_size)
     d["model"].pop("init_vectors"), d["model"].pop("init_output")  # (and before model.init_vectors)
     before = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]  # the hash it was recorded with
     cfg = config_from_dict(d)
