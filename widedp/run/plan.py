@@ -16,7 +16,7 @@ Bounded batches (``dp.max_batch_size``: B, truncated Poisson, ``widedp.dp.sampli
 δ − δ_τ − δ_B, where ε̄ must bound every ε then reported with it (including the vocabulary's ln(1/(1 − δ_τ))).
 ε̄ is ``dp.target_epsilon`` when set (calibration and the budget stop keep the run's ε at or below it); without a
 target, the whole run's ε at δ − δ_τ − δ/1000 for ``auto`` (whose B keeps δ_B <= δ/1000, so no reported ε exceeds
-it), or for a given B the least ε̄ found that covers the whole run's ε at its own δ_B (``_settled``). A figure that
+it), or for a given B the least ε̄ found that covers the whole run's ε at its own δ_B (``_settle``). A figure that
 still exceeds ε̄ (more steps than planned, the RDP cross-check) is settled the same way on its own: ε̄ raised to
 it, δ_B recomputed, until it is covered (else ∞). Every (ε, δ) printed is thus (ε_L + ln(1/(1 − δ_τ)),
 δ_L + δ_τ + δ_B) with ε at most the ε̄ of its δ_B.
@@ -180,24 +180,32 @@ def _composed(prefix: Prefix, dp: DPConfig, runs: list[tuple[StepSpend, int]], a
     return e + prefix.epsilon_extra
 
 
-#: how often ``_settled`` raises ε̄ before it reports ∞
+#: how often ``_settle`` raises ε̄ before it gives up
 _SETTLE_TRIES = 6
 
 
-def _settled(evaluate: Callable[[Prefix], float], prefix: Prefix) -> float:
+def _settle(evaluate: Callable[[Prefix], float], prefix: Prefix) -> tuple[float, Prefix]:
     """``evaluate(prefix)``, an ε at ``prefix.accounting_delta``, valid with the truncated batches' δ_B only when it is
-    at most ε̄: otherwise ε̄ is raised just above it and the figure recomputed (smaller δ_L, larger δ_B), until it
-    is covered; ∞ when it never is or δ_B leaves no δ."""
+    at most ε̄: otherwise ε̄ is raised just above it and the figure recomputed (smaller δ_L, larger δ_B) until it is
+    covered. Returns (ε, the prefix whose ε̄ covers it), or (∞, ...) after ``_SETTLE_TRIES``; ConfigError (naming
+    ``dp.max_batch_size``) when δ_B leaves no δ."""
     e = evaluate(prefix)
     for _ in range(_SETTLE_TRIES):
         if prefix.batch_bound is None or e <= prefix.epsilon_bar:
-            return e
+            return e, prefix
         prefix = replace(prefix, epsilon_bar=e * (1 + 1e-3) + 1e-3)
-        try:
-            e = evaluate(prefix)
-        except ConfigError:  # δ_B at the raised ε̄ is not below δ
-            return math.inf
-    return math.inf
+        e = evaluate(prefix)
+    return math.inf, prefix
+
+
+def _settled(evaluate: Callable[[Prefix], float], prefix: Prefix) -> float:
+    """``_settle``'s ε; ∞ where δ_B leaves no δ (a report never stops a run). Without a bound: ``evaluate``'s."""
+    if prefix.batch_bound is None:
+        return evaluate(prefix)
+    try:
+        return _settle(evaluate, prefix)[0]
+    except ConfigError:
+        return math.inf
 
 
 def epsilons(dp: DPConfig, ledger: accounting.Ledger, prefix: Prefix | None = None) -> dict[str, Any]:
@@ -317,17 +325,8 @@ def bounded(cfg: Config, prefix: Prefix, *, n: int, steps: int, spend: Callable[
     out = replace(prefix, batch_bound=bound, batch_units=n, batch_rate=q, batch_steps=steps, epsilon_bar=bar)
     out.accounting_delta(dp.delta)  # refuses a δ_B that leaves no δ
     if dp.target_epsilon is None and not auto:
-        out = _settled_bar(lambda p: _composed(p, dp, runs, None), out)
+        e, out = _settle(lambda p: _composed(p, dp, runs, None), out)
+        if e > out.epsilon_bar:
+            raise ConfigError(f"dp.max_batch_size: {bound:,} units per batch: no ε̄ covers the run's ε with its own δ_B "
+                              f"(last ε={e:.4g}); raise it, or use auto")
     return out
-
-
-def _settled_bar(evaluate: Callable[[Prefix], float], prefix: Prefix) -> Prefix:
-    """``prefix`` with ε̄ raised (as ``_settled``) until ``evaluate(prefix) <= ε̄``; one line naming the key when it
-    never is."""
-    for _ in range(_SETTLE_TRIES):
-        e = evaluate(prefix)
-        if e <= prefix.epsilon_bar:
-            return prefix
-        prefix = replace(prefix, epsilon_bar=e * (1 + 1e-3) + 1e-3)  # its δ_B leaving no δ: accounting_delta refuses
-    raise ConfigError(f"dp.max_batch_size: {prefix.batch_bound:,} units per batch: no ε̄ covers the run's ε with its "
-                      f"own δ_B (last ε={e:.4g}); raise it, or use auto")
