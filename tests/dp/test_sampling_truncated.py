@@ -89,6 +89,16 @@ def test_non_overflowing_steps_are_plain_poisson_batches(drawn):
         assert torch.equal(bounded, plain[:B])  # the whole plain batch when it fits
 
 
+def test_unbounded_batches_are_the_ones_drawn_before_the_bound_existed():
+    import hashlib
+
+    for kw in ({}, {"max_batch_size": None}):
+        s, h = PoissonSampler(1000, sampling_rate=0.05, seed=11, **kw), hashlib.sha256()
+        for t in [*range(0, 2100, 7), 5000]:
+            h.update(s.batch(t).numpy().tobytes())
+        assert h.hexdigest()[:16] == "a0c6e80d9ecd2e17"  # the sampler's digest before dp.max_batch_size
+
+
 def test_a_step_is_a_pure_function_of_seed_and_step():
     a = PoissonSampler(500, sampling_rate=0.1, seed=3, max_batch_size=50)
     b = PoissonSampler(500, sampling_rate=0.1, seed=3, max_batch_size=50)
