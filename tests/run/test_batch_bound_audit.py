@@ -1,5 +1,5 @@
-"""Audit of ``dp.max_batch_size`` (truncated Poisson batches): regression tests for defects found in review. Each is
-marked xfail(strict) until fixed; fast (the plan and the tail only, no training)."""
+"""Audit of ``dp.max_batch_size`` (truncated Poisson batches): regression tests for defects found in review (now
+fixed); fast (the plan and the tail only, no training)."""
 
 import math
 
@@ -28,11 +28,10 @@ def _ledger(p, steps):
     return ledger
 
 
-@pytest.mark.xfail(strict=True, reason="plan.epsilons: a figure settled above the plan's ε̄ (more steps than planned) "
-                   "is returned with delta_batch at the plan's ε̄, not at the ε̄ that covers it: the δ_B reported "
-                   "(metrics, summary's delta_batch/epsilon_bar, the statement's 'δ_B=... of δ') understates the "
-                   "δ share the reported ε actually uses")
 def test_reported_delta_batch_covers_the_reported_epsilon():
+    """Fixed: plan.epsilons: a figure settled above the plan's ε̄ (more steps than planned) is returned with
+    delta_batch at the plan's ε̄, not at the ε̄ that covers it: the δ_B reported (metrics, summary's
+    delta_batch/epsilon_bar, the statement's 'δ_B=... of δ') understates the δ share the reported ε actually uses."""
     p = _plan(max_batch_size=290)
     out = plan.epsilons(p.dp, _ledger(p, 2 * T), p.prefix)  # twice the planned steps (e.g. recharged after a loss)
     assert out["epsilon"] > p.prefix.epsilon_bar and math.isfinite(out["epsilon"])
@@ -41,10 +40,10 @@ def test_reported_delta_batch_covers_the_reported_epsilon():
     assert out["delta_batch"] >= needed
 
 
-@pytest.mark.xfail(strict=True, reason="plan.epsilons evaluates prefix.accounting_delta unguarded: when more steps "
-                   "than planned push δ_B to δ − δ_τ or above, it raises ConfigError from a report (per-epoch ε, the "
-                   "summary), stopping a run mid-way that can never finish on resume, where _settled would give ∞")
 def test_a_report_past_the_planned_steps_never_raises():
+    """Fixed: plan.epsilons evaluates prefix.accounting_delta unguarded: when more steps than planned push δ_B to δ −
+    δ_τ or above, it raises ConfigError from a report (per-epoch ε, the summary), stopping a run mid-way that can
+    never finish on resume, where _settled would give ∞."""
     p = _plan(max_batch_size=283)  # accepted: δ_B ≈ 0.65·δ at T = 200
     assert 0 < p.prefix.batch_delta < DELTA - DELTA_TAU
     out = plan.epsilons(p.dp, _ledger(p, 3 * T), p.prefix)
@@ -56,11 +55,11 @@ def _log_pmf(n, q, k):
             + (n - k) * math.log1p(-q))
 
 
-@pytest.mark.xfail(strict=True, reason="sampling.log_overflow: where scipy's sf is subnormal (ln between ~-745 and "
-                   "-708) binom.logsf loses precision and is returned as is, up to ~1/3 below the true tail: not an "
-                   "upper bound there (the fallback only handles an sf of exactly 0), so δ_B can be under-charged")
 @pytest.mark.parametrize(("n", "q", "bound"), [(100_000, 0.01, 2431), (3000, 0.1, 1086), (2000, 0.3, 1435)])
 def test_overflow_tail_is_an_upper_bound_in_the_subnormal_range(n, q, bound):
+    """Fixed: sampling.log_overflow: where scipy's sf is subnormal (ln between ~-745 and -708) binom.logsf loses
+    precision and is returned as is, up to ~1/3 below the true tail: not an upper bound there (the fallback only
+    handles an sf of exactly 0), so δ_B can be under-charged."""
     # the tail's first 50 terms, sum of P[X = k] for k = bound + 1 .. bound + 50, are a lower bound on P[X > bound]
     terms = [_log_pmf(n, q, k) for k in range(bound + 1, bound + 51)]
     top = max(terms)

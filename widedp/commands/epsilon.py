@@ -52,7 +52,7 @@ def epsilon_report(cfg: Config) -> dict[str, Any]:
     facts = for_config(task.privacy(cfg), cfg)
     if prefix.batch_bound is not None:
         _with_bound(rep, plan, steps)
-        facts = with_batch_bound(facts, bound=prefix.batch_bound, delta_b=prefix.batch_delta,
+        facts = with_batch_bound(facts, bound=prefix.batch_bound, delta_b=rep["max_batch_size"]["delta_batch"],
                                  units=f"{units.privacy_unit(cfg)}s")
     accountant = dp.accountant
     if dp.engine == "opacus":  # the run reports Opacus' own accountant: so does its plan
@@ -102,19 +102,27 @@ def _with_prefix(rep: dict[str, Any], cfg: Config, plan: plans.DPPlan, steps: in
 
 
 def _with_bound(rep: dict[str, Any], plan: plans.DPPlan, steps: int) -> None:
-    """``dp.max_batch_size``: its resolved B, δ_B and what it is computed from; ``epsilon_pld`` / ``epsilon_rdp``
-    (and ``epsilon``) as the run reports them: at δ − δ_τ − δ_B, each settled against ε̄ (``plans.composed_epsilon``)."""
+    """``dp.max_batch_size``: its resolved B and what δ_B is computed from; ``epsilon_pld`` / ``epsilon_rdp`` (and
+    ``epsilon``) as the run reports them: at δ − δ_τ − δ_B, each settled against ε̄ (``plans.composed_epsilon_with``),
+    with the ε̄ and δ_B each is valid with (the headline's, and the RDP cross-check's ``*_rdp``);
+    ``epsilon_training_only`` (with a prefix) the steps alone at δ − δ_B."""
     prefix, dp = plan.prefix, plan.dp
-    if not prefix.entries:  # (``_with_prefix`` computed them already)
-        for key, acct in (("epsilon_pld", "pld"), ("epsilon_rdp", "rdp")):
-            rep[key] = plans.composed_epsilon(prefix, dp, [(plan.spend, steps)] if steps else [], acct)
-        rep["epsilon"] = rep["epsilon_pld"] if dp.accountant == "pld" else rep["epsilon_rdp"]
+    covering = {}  # accountant -> the prefix whose ε̄ and δ_B go with its figure
+    for key, acct in (("epsilon_pld", "pld"), ("epsilon_rdp", "rdp")):
+        rep[key], covering[acct] = plans.composed_epsilon_with(prefix, dp, [(plan.spend, steps)] if steps else [],
+                                                               acct)
+    rep["epsilon"] = rep["epsilon_pld"] if dp.accountant == "pld" else rep["epsilon_rdp"]
+    if "epsilon_training_only" in rep:  # the steps alone, their truncated batches' δ_B included
+        alone = replace(prefix, entries=(), threshold_delta=0.0, vocabulary=False)
+        rep["epsilon_training_only"] = plans.composed_epsilon(alone, dp, [(plan.spend, steps)] if steps else [])
     assert prefix.batch_bound is not None
     rep["delta"] = dp.delta
+    head, rdp = covering[dp.accountant], covering["rdp"]
     log_tail = sampling.log_overflow(prefix.batch_units + 1, prefix.batch_rate, prefix.batch_bound)
     rep["max_batch_size"] = {
-        "bound": prefix.batch_bound, "auto": dp.max_batch_size == "auto", "delta_batch": prefix.batch_delta,
-        "epsilon_bar": prefix.epsilon_bar, "steps": prefix.batch_steps, "n_units": prefix.batch_units,
+        "bound": prefix.batch_bound, "auto": dp.max_batch_size == "auto", "delta_batch": head.batch_delta,
+        "epsilon_bar": head.epsilon_bar, "delta_batch_rdp": rdp.batch_delta, "epsilon_bar_rdp": rdp.epsilon_bar,
+        "steps": prefix.batch_steps, "n_units": prefix.batch_units,
         "sampling_rate": prefix.batch_rate, "overflow_per_step": math.exp(log_tail),
         "accounting": "truncated Poisson: ledger eps at delta - delta_tau - delta_B, delta_B = (1 + e^eps_bar) * T * "
                       "P[Binomial(N + 1, q) > B] (widedp.dp.sampling)"}

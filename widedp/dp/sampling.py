@@ -89,18 +89,23 @@ class PoissonSampler:
         return torch.binomial(n, q, generator=g).long()
 
 
+#: ln of the smallest normal float64 (~2.2e-308), with a margin: below it scipy's survival function is subnormal and
+#: loses relative precision (it was seen a third below the true tail), so ``log_overflow`` bounds the tail instead
+_NORMAL_LOG = -700.0
+
+
 def log_overflow(n: int, q: float, bound: int) -> float:
     """ln P[Binomial(n, q) > bound]: one step's overflow probability over n units (-inf for bound >= n). Exact to
-    float64 relative precision far into the tail (scipy's regularised incomplete beta); where that underflows (below
-    ~1e-308), an upper bound, so that e^ε̄ times it is never an underflowed 0: with k = bound + 1, the pmf's ratio
-    p(j+1)/p(j) is at most r = (n−k)q/((k+1)(1−q)) for j >= k, so P[X >= k] <= p(k)/(1 − r) when r < 1, else
-    C(n, k)·q^k (a union bound over the sets of k units)."""
+    float64 relative precision far into the tail (scipy's regularised incomplete beta); where that is subnormal or
+    underflows (below ~1e-304, ``_NORMAL_LOG``), an upper bound, so that e^ε̄ times it is never under-charged: with
+    k = bound + 1, the pmf's ratio p(j+1)/p(j) is at most r = (n−k)q/((k+1)(1−q)) for j >= k, so
+    P[X >= k] <= p(k)/(1 − r) when r < 1, else C(n, k)·q^k (a union bound over the sets of k units)."""
     if bound >= n:
         return -math.inf
     v = float(binom.logsf(bound, n, q))
-    if v > -math.inf:
+    if v > _NORMAL_LOG:
         return v
-    k = bound + 1
+    k = bound + 1  # scipy's sf is subnormal (imprecise, possibly below the tail) or 0: the bound below
     log_union = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * math.log(q)
     r = (n - k) * q / ((k + 1) * (1 - q))
     return log_union + (n - k) * math.log1p(-q) - math.log1p(-r) if r < 1 else log_union

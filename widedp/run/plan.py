@@ -166,7 +166,13 @@ def composed_epsilon(prefix: Prefix, dp: DPConfig, runs: list[tuple[StepSpend, i
                      accountant: str | None = None) -> float:
     """ε of the prefix composed with ``runs`` [(step spend, count)] at the run's δ (inf out of PLD range), settled
     against the truncated batches' ε̄ (``_settled``)."""
-    return _settled(lambda p: _composed(p, dp, runs, accountant), prefix)
+    return composed_epsilon_with(prefix, dp, runs, accountant)[0]
+
+
+def composed_epsilon_with(prefix: Prefix, dp: DPConfig, runs: list[tuple[StepSpend, int]],
+                          accountant: str | None = None) -> tuple[float, Prefix]:
+    """``composed_epsilon`` and the prefix whose ε̄ and δ_B (``batch_delta``) go with it."""
+    return _settled_with(lambda p: _composed(p, dp, runs, accountant), prefix)
 
 
 def _composed(prefix: Prefix, dp: DPConfig, runs: list[tuple[StepSpend, int]], accountant: str | None,
@@ -200,32 +206,43 @@ def _settle(evaluate: Callable[[Prefix], float], prefix: Prefix) -> tuple[float,
 
 def _settled(evaluate: Callable[[Prefix], float], prefix: Prefix) -> float:
     """``_settle``'s ε; ∞ where δ_B leaves no δ (a report never stops a run). Without a bound: ``evaluate``'s."""
+    return _settled_with(evaluate, prefix)[0]
+
+
+def _settled_with(evaluate: Callable[[Prefix], float], prefix: Prefix) -> tuple[float, Prefix]:
+    """``_settled``'s ε and the prefix whose ε̄ (and so δ_B) goes with it."""
     if prefix.batch_bound is None:
-        return evaluate(prefix)
+        return evaluate(prefix), prefix
     try:
-        return _settle(evaluate, prefix)[0]
+        return _settle(evaluate, prefix)
     except ConfigError:
-        return math.inf
+        return math.inf, prefix
 
 
 def epsilons(dp: DPConfig, ledger: accounting.Ledger, prefix: Prefix | None = None) -> dict[str, Any]:
     """What a run reports for its ledger (the prefix's entries are in it): ``epsilon`` by the run's accountant,
     ``epsilon_accountant`` naming it, ``epsilon_rdp`` (the cross-check); 0 for an empty ledger. With bounded batches
-    also ``delta_batch`` (δ_B at ε̄), each figure settled against ε̄ (``_settled``) over at least the steps drawn."""
+    each figure is settled against ε̄ (``_settled``) over at least the steps drawn, and comes with the ε̄ and δ_B it
+    is valid with: ``epsilon_bar`` / ``delta_batch`` (the headline's), ``epsilon_bar_rdp`` / ``delta_batch_rdp``;
+    ∞ where δ_B leaves no δ (a report never stops a run)."""
     prefix = prefix or Prefix()
-    trained = ledger.steps - len(prefix.entries)
-    if prefix.batch_bound is not None and trained > prefix.batch_steps:  # more steps drawn than planned
-        prefix = replace(prefix, batch_steps=trained)
-    out = accounting.headline_epsilons(ledger, delta=prefix.accounting_delta(dp.delta), accountant=dp.accountant)
-    if ledger.steps and prefix.threshold_delta:
-        out["epsilon"] += prefix.epsilon_extra
-        out["epsilon_rdp"] += prefix.epsilon_extra
-    if prefix.batch_bound is None or not ledger.steps:
+    if prefix.batch_bound is None:
+        out = accounting.headline_epsilons(ledger, delta=prefix.accounting_delta(dp.delta), accountant=dp.accountant)
+        if ledger.steps and prefix.threshold_delta:
+            out["epsilon"] += prefix.epsilon_extra
+            out["epsilon_rdp"] += prefix.epsilon_extra
         return out
+    trained = ledger.steps - len(prefix.entries)
+    if trained > prefix.batch_steps:  # more steps drawn than planned
+        prefix = replace(prefix, batch_steps=trained)
+    if not ledger.steps:
+        return {"epsilon": 0.0, "epsilon_accountant": dp.accountant, "epsilon_rdp": 0.0}
+    out: dict[str, Any] = {"epsilon_accountant": dp.accountant}
     for key, acct in (("epsilon", dp.accountant), ("epsilon_rdp", "rdp")):
-        if out[key] > prefix.epsilon_bar:
-            out[key] = _settled(lambda p, a=acct: _ledger_epsilon(p, dp, ledger, a), prefix)
-    return {**out, "delta_batch": prefix.batch_delta}
+        e, covering = _settled_with(lambda p, a=acct: _ledger_epsilon(p, dp, ledger, a), prefix)
+        tail = "" if key == "epsilon" else "_rdp"  # the δ_B (and ε̄) each figure is valid with
+        out |= {key: e, f"delta_batch{tail}": covering.batch_delta, f"epsilon_bar{tail}": covering.epsilon_bar}
+    return out
 
 
 def _ledger_epsilon(prefix: Prefix, dp: DPConfig, ledger: accounting.Ledger, accountant: str) -> float:

@@ -21,10 +21,11 @@ DIAGNOSTICS_NOTICE = ("NON-PRIVATE diagnostics of the training batches (train lo
 
 
 def run_statement(facts: statement.UnitFacts, dp: Any, ledger: accounting.Ledger, *, private_rng: bool,
-                  prefix: plan.Prefix | None = None) -> statement.PrivacyStatement:
+                  prefix: plan.Prefix | None = None,
+                  epsilons: dict[str, Any] | None = None) -> statement.PrivacyStatement:
     """The statement of a run of the DP-sparse engine: the headline accountant's ε over everything the ledger
-    recorded (the DP vocabulary included, ``prefix``)."""
-    eps = epoch_epsilons(dp, ledger, prefix).get("epsilon", 0.0)
+    recorded (the DP vocabulary included, ``prefix``; ``epsilons``: ``epoch_epsilons``' figures, when at hand)."""
+    eps = (epsilons if epsilons is not None else epoch_epsilons(dp, ledger, prefix)).get("epsilon", 0.0)
     return statement.for_run(facts, epsilon=eps, delta=dp.delta, accountant=dp.accountant, private_rng=private_rng)
 
 

@@ -61,8 +61,9 @@ class SparseDPTrainer(PrivateTrainer):
         # one-shot row pre-selection, dp.preselect, drawn here), calibration, the per-step spend, the budget cap,
         # and the selector every step uses (over the pre-selected rows only).
         self._plan(num_rows=self.module.num_rows, n=n_dp)
+        self._facts_unbounded, self._units = self.facts, f"{units.privacy_unit(cfg)}s"
         self.facts = with_batch_bound(self.facts, bound=self.prefix.batch_bound, delta_b=self.prefix.batch_delta,
-                                      units=f"{units.privacy_unit(cfg)}s")
+                                      units=self._units)
         self.truncated_steps = self._truncated_since = 0  # dp.max_batch_size: steps whose batch was cut
         self.pre = self._preselect()
         self.selector = preselect_setup.restrict_selector(
@@ -187,10 +188,17 @@ class SparseDPTrainer(PrivateTrainer):
 
     def report(self, *, stopped: bool) -> Report:
         dp = self.dp
-        st = run_summary.run_statement(self.facts, dp, self.ledger, private_rng=self.seeds.private, prefix=self.prefix)
-        eps_rdp = run_summary.epoch_epsilons(dp, self.ledger, self.prefix).get("epsilon_rdp", 0.0)
+        eps = run_summary.epoch_epsilons(dp, self.ledger, self.prefix)
+        facts = self.facts
+        if self.prefix.batch_bound is not None and "delta_batch" in eps:  # the δ_B the headline ε is valid with
+            facts = with_batch_bound(self._facts_unbounded, bound=self.prefix.batch_bound,
+                                     delta_b=eps["delta_batch"], units=self._units)
+        st = run_summary.run_statement(facts, dp, self.ledger, private_rng=self.seeds.private, prefix=self.prefix,
+                                       epsilons=eps)
         section = self._dp_summary(stopped=stopped)
-        section.update(epsilon=st.epsilon, epsilon_rdp=eps_rdp)
+        section.update(epsilon=st.epsilon, epsilon_rdp=eps.get("epsilon_rdp", 0.0))
         if self.prefix.batch_bound is not None:
             section.update(**self._bound_summary(), truncated_steps=self.truncated_steps)
+            section.update({k: eps[k] for k in ("delta_batch", "epsilon_bar", "delta_batch_rdp", "epsilon_bar_rdp")
+                            if k in eps})
         return Report(st, section, run_summary.plot_title(dp, st))
