@@ -225,7 +225,7 @@ def test_dp_training_trains_on_poisson_batches(tmp_path, monkeypatch, fixed_q):
     from widedp.run.train import train
     from widedp.tasks.cbow import SplitTensors
 
-    n, b, epochs = 1000, 50, 40  # q = 0.05, 20 steps per epoch, T = 800
+    n, b, epochs = 1000, 50, 20  # q = 0.05, 20 steps per epoch, T = 400
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
     cfg_path = tmp_path / "c.yaml"
