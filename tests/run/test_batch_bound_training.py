@@ -85,3 +85,18 @@ def test_bad_or_too_small_bound_is_one_line(tmp_path, capsys, value, needle):
     assert rc != 0 and needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert main(["epsilon", str(cfg), "--set", f"dp.max_batch_size={value}"]) != 0
     assert needle in capsys.readouterr().err
+
+
+def test_resume_refuses_an_auto_bound_that_resolves_otherwise(tmp_path, monkeypatch, capsys):
+    """``auto`` is worked out again on resume; should it come out other than the B the run's steps so far were cut to
+    (another widedp or accountant version), δ_B would be charged for a B they did not have: one line, exit 2."""
+    cfg = load_config(_config(tmp_path, "auto"))
+    run, snap = tmp_path / "run", tmp_path / "snap"
+    full = train_with_snapshot(cfg, run, snap, step=20, monkeypatch=monkeypatch)
+    started = full["dp"]["max_batch_size"]
+    assert torch.load(snap / "checkpoint.pt", weights_only=True)["max_batch_size"] == started
+    monkeypatch.setattr(sampling_mod, "smallest_bound", lambda **kw: started + 1)
+    assert main(["train", "--resume", str(snap), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("widedp: error: dp.max_batch_size: the run's batches so far were cut "
+                                               f"to {started:,} units, but auto now resolves to {started + 1:,}"), err

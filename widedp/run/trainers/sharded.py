@@ -261,7 +261,7 @@ class ShardedDPTrainer(SparseDPTrainer):
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
         step, name = ckpt["step"], ckpt.get("dcp")
-        self.truncated_steps = int(ckpt.get("truncated_steps", 0))
+        self._load_truncated_state(ckpt)
         ranks.agree(shards.check(self.out, name))
         best = ckpt.get("best") or {}
         kept = {k: torch.empty_like(w) for k, w in self._tables()} if "epoch" in best else None

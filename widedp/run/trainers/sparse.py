@@ -168,11 +168,22 @@ class SparseDPTrainer(PrivateTrainer):
         return {"optimizer": self.optimizer.state_dict(), "ledger": self.ledger.to_json(), **self._truncated_state()}
 
     def _truncated_state(self) -> dict[str, Any]:
-        """The run's ``truncated_steps`` so far, for the checkpoint (with a bound)."""
-        return {"truncated_steps": self.truncated_steps} if self.prefix.batch_bound is not None else {}
+        """The run's bound and ``truncated_steps`` so far, for the checkpoint (with a bound)."""
+        bound = self.prefix.batch_bound
+        return {"truncated_steps": self.truncated_steps, "max_batch_size": bound} if bound is not None else {}
+
+    def _load_truncated_state(self, ckpt: dict[str, Any]) -> None:
+        """``truncated_steps`` back; a bound (``auto``, worked out again) other than the one the run's steps so far
+        were cut to is refused: δ_B would be charged for a B those steps did not have."""
+        was = ckpt.get("max_batch_size")
+        if was is not None and was != self.prefix.batch_bound:
+            raise ConfigError(f"dp.max_batch_size: the run's batches so far were cut to {was:,} units, but "
+                              f"{self.cfg.dp.max_batch_size} now resolves to {self.prefix.batch_bound:,} (another "
+                              "widedp or accountant version?); resume it with the version that started it")
+        self.truncated_steps = int(ckpt.get("truncated_steps", 0))
 
     def load_state_dict(self, ckpt: dict[str, Any]) -> None:
-        self.truncated_steps = int(ckpt.get("truncated_steps", 0))
+        self._load_truncated_state(ckpt)
         self.optimizer.load_state_dict(ckpt["optimizer"])
         step = ckpt["step"]
         states = rng.load_states(self.out, step) if self.replayable else None  # (a damaged file: ConfigError)
