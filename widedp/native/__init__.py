@@ -64,9 +64,8 @@ def _steps(out: Path) -> tuple[list[list[str]], list[str]]:
 def _run_all(commands: list[list[str]]) -> subprocess.CompletedProcess | None:
     """Run ``commands`` side by side; the first that failed (None: none)."""
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
-    done = [subprocess.CompletedProcess(p.args, p.returncode, *p.communicate()) for p in procs]
-    for p, d in zip(procs, done):
-        d.returncode = p.returncode
+    outputs = [p.communicate() for p in procs]
+    done = [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
     return next((d for d in done if d.returncode != 0), None)
 
 
